@@ -53,7 +53,9 @@ def discounted_returns(rewards: np.ndarray, episode_index: np.ndarray, gamma: fl
     rewards = np.asarray(rewards, dtype=np.float64)
     episode_index = np.asarray(episode_index)
     if rewards.shape != episode_index.shape or rewards.ndim != 1:
-        raise ValueError(f"rewards {rewards.shape} and episode_index {episode_index.shape} must be equal 1-D shapes")
+        raise ValueError(
+            f"rewards {rewards.shape} and episode_index {episode_index.shape} must be 1-D of equal length"
+        )
     returns = rewards.copy()
     if rewards.shape[0] == 0:
         return returns
