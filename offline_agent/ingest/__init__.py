@@ -1,0 +1,269 @@
+"""Ingestion: log files in any supported format -> one Parquet trajectory dataset, losing nothing.
+
+`ingest` reads each source record by record through its adapter, streams
+episodes into Parquet row groups, and sends every record that cannot be read
+to the quarantine with its location and reason. The summary reconciles:
+records read = records in the dataset + quarantined + skipped as duplicates.
+The dataset appears in one rename at the end (see `atomic_dataset_dir`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from offline_agent import __version__
+from offline_agent.dataset import (
+    DEFAULT_SPLIT,
+    TrajectoryDataset,
+    atomic_dataset_dir,
+    combine_digests,
+    file_sha256,
+    write_catalog,
+    write_meta,
+)
+from offline_agent.errors import UserError
+from offline_agent.ingest.options import SourceOptions
+from offline_agent.ingest.readers import read_records
+from offline_agent.ingest.registry import resolve_adapter, user_adapter_items
+from offline_agent.ingest.writer import REWARD_MODES, StreamingWriter, quarantine_table
+from offline_agent.schema import QUARANTINE_SCHEMA, SCHEMA_VERSION, Episode, Quarantined
+
+LOG_SUFFIXES = (".jsonl", ".json", ".ndjson")
+
+
+@dataclass
+class SourceSummary:
+    path: str
+    sha256: str
+    format: str
+    records_read: int = 0
+    records_ingested: int = 0
+    episodes: int = 0
+    steps: int = 0
+    quarantined: int = 0
+    duplicates: int = 0
+    skipped: str | None = None
+
+    @property
+    def reconciles(self) -> bool:
+        return self.records_read == self.records_ingested + self.quarantined + self.duplicates
+
+
+@dataclass
+class IngestSummary:
+    dataset: str
+    sources: list[SourceSummary] = field(default_factory=list)
+    quarantine_examples: list[dict[str, str]] = field(default_factory=list)
+
+    def total(self, name: str) -> int:
+        return sum(getattr(s, name) for s in self.sources)
+
+    @property
+    def reconciles(self) -> bool:
+        return all(s.reconciles for s in self.sources)
+
+
+def expand_sources(paths: list[str | Path]) -> list[Path]:
+    """Files named directly, and log files (.jsonl/.json/.ndjson) found under folders, in a stable order."""
+    files: list[Path] = []
+    for p in map(Path, paths):
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in LOG_SUFFIXES)
+            if not found:
+                raise UserError(f"no log files ({', '.join(LOG_SUFFIXES)}) under folder {p}")
+            files.extend(found)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise UserError(f"no such file or folder: {p}")
+    return files
+
+
+def ingest(
+    paths: list[str | Path],
+    out: str | Path,
+    fmt: str = "auto",
+    mapping: dict[str, str] | None = None,
+    reward: str = "outcome",
+    gamma: float = 0.99,
+    success_threshold: float = 1.0,
+    split: dict[str, float] | None = None,
+    strict: bool = False,
+    append: bool = False,
+    overwrite: bool = False,
+    name: str | None = None,
+    progress: bool = False,
+) -> IngestSummary:
+    """Ingest log files into the dataset at `out` (see the module docstring); returns the reconciled summary."""
+    if reward not in REWARD_MODES:
+        raise UserError(f"unknown --reward {reward!r}: use one of {', '.join(REWARD_MODES)}")
+    if not 0.0 <= gamma <= 1.0:
+        raise UserError(f"--gamma must be in [0, 1], got {gamma}")
+    out = Path(out)
+    files = expand_sources(paths)
+    mapping = mapping or {}
+    previous = TrajectoryDataset.open(out) if append and out.exists() else None
+    if previous is not None:
+        _check_append_settings(previous, reward, gamma)
+        split = previous.meta["split"]
+    split = split or DEFAULT_SPLIT
+    summary = IngestSummary(dataset=str(out))
+    with atomic_dataset_dir(out, overwrite=overwrite or previous is not None) as tmp:
+        known_ids, known_digests, known_sha, part = _carry_over(previous, tmp)
+        writer = StreamingWriter(tmp, f"part-{part:05d}", reward, gamma, split, success_threshold)
+        quarantined: list[tuple[str, Quarantined]] = []
+        with _progress(progress) as bar:
+            for path in files:
+                source = _ingest_source(path, fmt, mapping, writer, known_ids, known_sha, quarantined, bar)
+                summary.sources.append(source)
+        writer.close()
+        if strict and quarantined:
+            first = "; ".join(f"{s} {q.location}: {q.reason}" for s, q in quarantined[:3])
+            raise UserError(f"--strict: {len(quarantined)} record(s) could not be read, nothing was written. {first}")
+        _write_quarantine(tmp, previous, quarantined)
+        summary.quarantine_examples = [{"source": s, "location": q.location, "reason": q.reason} for s, q in quarantined[:5]]
+        meta = _meta(out, name, previous, summary, reward, gamma, success_threshold, split, mapping)
+        meta["counts"] = {
+            "episodes": len(known_digests) + writer.n_episodes,
+            "steps": (previous.meta["counts"]["steps"] if previous else 0) + writer.n_steps,
+            "quarantined": (previous.meta["counts"]["quarantined"] if previous else 0) + len(quarantined),
+        }
+        meta["fingerprint"] = combine_digests({**known_digests, **writer.digests})
+        meta["episode_digests_file"] = "digests.parquet"
+        pq.write_table(
+            pa.table({"episode_id": list({**known_digests, **writer.digests}),
+                      "digest": list({**known_digests, **writer.digests}.values())}),
+            tmp / "digests.parquet",
+        )
+        write_meta(tmp, meta)
+    write_catalog(out)
+    return summary
+
+
+def _check_append_settings(previous: TrajectoryDataset, reward: str, gamma: float) -> None:
+    old = previous.meta
+    if old["reward"]["mode"] != reward or abs(old["gamma"] - gamma) > 1e-12:
+        raise UserError(
+            f"--append to {previous.path}: it was ingested with --reward {old['reward']['mode']} --gamma {old['gamma']}; "
+            "use the same settings (or relabel it first)"
+        )
+
+
+def _carry_over(previous: TrajectoryDataset | None, tmp: Path) -> tuple[set[str], dict[str, str], set[str], int]:
+    """Bring an existing dataset's parts into the new folder (hard links where possible)."""
+    if previous is None:
+        return set(), {}, set(), 0
+    parts = 0
+    for table in ("steps", "episodes"):
+        (tmp / table).mkdir()
+        for f in sorted((previous.path / table).glob("*.parquet")):
+            _link_or_copy(f, tmp / table / f.name)
+            parts += table == "steps"
+    digests_table = pq.read_table(previous.path / "digests.parquet")
+    digests = dict(zip(digests_table["episode_id"].to_pylist(), digests_table["digest"].to_pylist(), strict=True))
+    known_sha = {s["sha256"] for s in previous.meta["sources"]}
+    return set(digests), digests, known_sha, parts
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _ingest_source(path, fmt, mapping, writer, known_ids, known_sha, quarantined, bar) -> SourceSummary:
+    sha = file_sha256(path)
+    adapter_name, adapter = resolve_adapter(fmt, path, mapping) if path.stat().st_size else (fmt, None)
+    source = SourceSummary(path=str(path), sha256=sha, format=adapter_name)
+    if sha in known_sha:
+        source.skipped = "already ingested (same sha256)"
+        return source
+    known_sha.add(sha)
+    opts = SourceOptions(source=str(path), stem=path.stem, sha256=sha, mapping=mapping)
+    task = bar.add_task(f"ingest {path.name}", total=None) if bar else None
+    for item in _items(path, adapter_name, adapter, opts):
+        if isinstance(item, Quarantined):
+            source.records_read += 1
+            source.quarantined += 1
+            quarantined.append((str(path), item))
+        else:
+            source.records_read += item.records
+            if item.episode_id in known_ids:
+                source.duplicates += item.records
+            else:
+                known_ids.add(item.episode_id)
+                writer.add(item, str(path))
+                source.records_ingested += item.records
+                source.episodes += 1
+                source.steps += len(item.steps)
+        if bar and source.records_read % 1000 == 0:
+            bar.update(task, completed=source.records_read)
+    if bar:
+        bar.update(task, completed=source.records_read)
+    return source
+
+
+def _items(path: Path, name: str, adapter, opts: SourceOptions) -> Iterator[Episode | Quarantined]:
+    if path.stat().st_size == 0:
+        yield Quarantined("file", "empty file: no records to read", "")
+    elif adapter is None:
+        yield from user_adapter_items(name, path, opts)
+    else:
+        yield from adapter(read_records(path), opts)
+
+
+def _write_quarantine(tmp: Path, previous: TrajectoryDataset | None, rows: list[tuple[str, Quarantined]]) -> None:
+    tables = [quarantine_table(rows)]
+    if previous is not None:
+        tables.insert(0, previous.quarantine_table())
+    pq.write_table(pa.concat_tables(tables).cast(QUARANTINE_SCHEMA), tmp / "quarantine.parquet")
+
+
+def _meta(out, name, previous, summary, reward, gamma, success_threshold, split, mapping) -> dict:
+    sources = list(previous.meta["sources"]) if previous else []
+    for s in summary.sources:
+        if s.skipped is None:
+            sources.append({**asdict(s), "mapping": mapping, "ingested_at": _now()})
+    return {
+        "name": name or (previous.meta["name"] if previous else Path(out).name),
+        "schema_version": SCHEMA_VERSION,
+        "created_by": f"offline-agent {__version__}",
+        "created_at": previous.meta["created_at"] if previous else _now(),
+        "updated_at": _now(),
+        "sources": sources,
+        "reward": {"mode": reward, "success_threshold": success_threshold},
+        "gamma": gamma,
+        "split": split,
+    }
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+class _NoProgress:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _progress(show: bool):
+    if not show:
+        return _NoProgress()
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    return Progress(
+        SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed} records"),
+        TimeElapsedColumn(), transient=True,
+    )
