@@ -446,7 +446,8 @@ def relabel(
 
     Recomputes steps.reward, steps.return_to_go (discounted with the dataset's gamma, or `gamma`)
     and episodes.return (undiscounted sum). dataset.json of the new dataset records `reward` = the
-    spec and `lineage` = {"parent": {"path", "fingerprint"}, "reward_spec"}.
+    record {"mode": "relabel", "spec": spec, ...the parent's other reward fields} and `lineage` =
+    {"parent": {"path", "fingerprint"}, "reward_spec": spec}.
     """
     from offline_agent.dataset import TrajectoryDataset, write_dataset
 
@@ -472,9 +473,12 @@ def relabel(
     lineage: dict[str, Any] = {"path": str(parent.path), "fingerprint": parent.meta.get("fingerprint")}
     if "lineage" in parent.meta:
         lineage["lineage"] = parent.meta["lineage"]
+    # keep the ingest's reward record (success threshold, ...) and say how the rewards now come about
+    parent_reward = parent.meta.get("reward")
+    reward_record = {**(parent_reward if isinstance(parent_reward, dict) else {}), "mode": "relabel"}
     meta.update(
         name=Path(out).name,
-        reward=str(parsed),
+        reward={**reward_record, "spec": str(parsed)},
         gamma=gamma,
         lineage={"parent": lineage, "reward_spec": str(parsed)},
     )

@@ -1,7 +1,11 @@
+import sys
+
 import numpy as np
 import pyarrow as pa
 import pytest
 
+from offline_agent.cli import main
+from offline_agent.dataset import TrajectoryDataset, write_dataset
 from offline_agent.errors import UserError
 from offline_agent.rewards import (
     RewardParts,
@@ -13,6 +17,7 @@ from offline_agent.rewards import (
     parse_reward_spec,
     potential_shaping,
     previous_in_episode,
+    relabel,
     shaping_weight,
     step_reward,
     subgoal_potential,
@@ -326,3 +331,87 @@ def test_subgoal_terms_need_subgoal_info():
         compute_rewards(steps, episodes, "subgoal", gamma=1.0)
     with pytest.raises(UserError, match="'shaping:subgoals' reads info.sub_goals_done"):
         compute_rewards(steps, episodes, "outcome+shaping:subgoals", gamma=1.0)
+
+
+# --- relabel a dataset -----------------------------------------------------------------------------
+
+
+def file_bytes(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def parent_dataset(tmp_path):
+    steps, episodes = make_tables()
+    reward = {"mode": "per-step", "success_threshold": 1.0}
+    meta = {"name": "tiny", "gamma": 0.5, "reward": reward, "sources": []}
+    return write_dataset(tmp_path / "parent", steps, episodes, None, meta)
+
+
+def test_relabel_round_trip_writes_new_rewards_and_leaves_the_parent_untouched(parent_dataset, tmp_path):
+    before = file_bytes(parent_dataset.path)
+    child = relabel(parent_dataset.path, "outcome:2+step:-0.25", tmp_path / "child")
+
+    assert file_bytes(parent_dataset.path) == before
+    steps = child.steps_table()
+    np.testing.assert_array_equal(steps["reward"].to_numpy(), [-0.25, -0.25, -0.25, 1.75, -0.25, 0.75])
+    # gamma 0.5 from the parent: a: 1.75, -0.25+0.875, -0.25+0.3125, -0.25+0.03125 ; b: 0.75, -0.25+0.375
+    np.testing.assert_array_equal(
+        steps["return_to_go"].to_numpy(), [-0.21875, 0.0625, 0.625, 1.75, 0.125, 0.75]
+    )
+    np.testing.assert_array_equal(child.episodes_table()["return"].to_numpy(), [1.0, 0.5])
+    unchanged = [c for c in STEPS_SCHEMA.names if c not in ("reward", "return_to_go")]
+    assert steps.select(unchanged).equals(parent_dataset.steps_table().select(unchanged))
+
+    spec = "outcome:2.0+step:-0.25"
+    assert child.meta["reward"] == {"mode": "relabel", "success_threshold": 1.0, "spec": spec}
+    assert child.meta["gamma"] == 0.5
+    assert child.meta["lineage"] == {
+        "parent": {"path": str(parent_dataset.path), "fingerprint": parent_dataset.fingerprint},
+        "reward_spec": "outcome:2.0+step:-0.25",
+    }
+    assert child.meta["counts"] == parent_dataset.meta["counts"]
+    assert child.fingerprint != parent_dataset.fingerprint
+
+
+def test_relabel_chain_keeps_the_lineage_and_gamma_override(parent_dataset, tmp_path):
+    child = relabel(parent_dataset.path, "outcome", tmp_path / "child")
+    grandchild = relabel(child.path, "current+step:-1", tmp_path / "grandchild", gamma=1.0)
+    np.testing.assert_array_equal(
+        grandchild.steps_table()["return_to_go"].to_numpy(), [-3, -2, -1, 0, -1.5, -0.5]
+    )
+    assert grandchild.meta["lineage"]["parent"]["lineage"] == child.meta["lineage"]
+
+
+def test_relabel_refuses_to_write_over_its_input_or_an_existing_dataset(parent_dataset, tmp_path):
+    with pytest.raises(UserError, match="is the input dataset; relabel writes a new dataset"):
+        relabel(parent_dataset.path, "outcome", parent_dataset.path)
+    relabel(parent_dataset.path, "outcome", tmp_path / "child")
+    with pytest.raises(UserError, match="a dataset already exists at"):
+        relabel(parent_dataset.path, "outcome", tmp_path / "child")
+    relabel(parent_dataset.path, "step:-1", tmp_path / "child", overwrite=True)
+    with pytest.raises(UserError, match="is not a dataset"):
+        relabel(tmp_path / "nothing", "outcome", tmp_path / "other")
+
+
+def run_cli(monkeypatch, *args):
+    monkeypatch.setattr(sys, "argv", ["offline-agent", *map(str, args)])
+    try:
+        main()
+    except SystemExit as exc:
+        return exc.code
+    return 0
+
+
+def test_relabel_cli(parent_dataset, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "cli-child"
+    spec = "outcome+step:-0.01"
+    assert run_cli(monkeypatch, "relabel", parent_dataset.path, "--reward", spec, "--out", out) == 0
+    assert "relabelled 2 episodes, 6 steps" in capsys.readouterr().err
+    assert TrajectoryDataset.open(out).meta["reward"]["spec"] == "outcome+step:-0.01"
+
+    bad = tmp_path / "bad"
+    assert run_cli(monkeypatch, "relabel", parent_dataset.path, "--reward", "bogus", "--out", bad) == 2
+    err = capsys.readouterr().err
+    assert "bad reward spec 'bogus': unknown term 'bogus'; valid terms:" in err
+    assert not bad.exists()
