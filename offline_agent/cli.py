@@ -16,39 +16,279 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
+from typer.core import TyperGroup  # noqa: E402
 
 from offline_agent.errors import UserError  # noqa: E402
 
+console = Console(stderr=True)
+
+
+class _OneLineErrors(TyperGroup):
+    """Bad input becomes one line on stderr and exit code 2, for every verb, however it is invoked."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UserError as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     help="Reinforcement learning on the logs of LLM agents: ingest, query, train, fine-tune, evaluate.",
 )
-console = Console(stderr=True)
+
+
+def _stdout() -> Console:
+    # Piped output (CI logs, files) gets wide tables instead of rich's 80-column default.
+    return Console() if sys.stdout.isatty() else Console(width=160)
 
 
 # --- verbs are registered below, one section per stage ---------------------------------------------
 
 
-def main() -> None:
-    try:
-        app(standalone_mode=False)
-    except UserError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        console.print("aborted")
-        sys.exit(130)
-    except Exception as exc:  # click's usage errors
-        import click
+# --- data: ingest, info, query (offline_agent/ingest, offline_agent/dataset.py) ---------------------------
 
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+
+@app.command("ingest")
+def ingest_command(
+    paths: list[str] = typer.Argument(..., help="log files or folders (.jsonl, .json)"),
+    out: str = typer.Option(..., "--out", "-o", help="dataset folder to write"),
+    fmt: str = typer.Option(
+        "auto", "--format", "-f", help="auto | openai-chat | anthropic | parallel-lists | steps-jsonl | module:function"
+    ),
+    map_: list[str] = typer.Option([], "--map", help="NAME=FIELD: where a field lives (e.g. messages=traj)"),
+    reward: str = typer.Option("outcome", "--reward", help="outcome | per-step | score-delta"),
+    gamma: float = typer.Option(0.99, "--gamma", help="discount for return_to_go"),
+    success_threshold: float = typer.Option(1.0, "--success-threshold", help="outcome >= this counts as success"),
+    split: str = typer.Option("0.8,0.1,0.1", "--split", help="train,valid,test fractions"),
+    strict: bool = typer.Option(False, "--strict", help="fail (write nothing) if any record is quarantined"),
+    append: bool = typer.Option(False, "--append", help="add these sources to an existing dataset"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing dataset"),
+    name: str | None = typer.Option(None, "--name", help="dataset name (default: folder name)"),
+) -> None:
+    """Convert agent logs into a Parquet trajectory dataset; unreadable records go to its quarantine."""
+    from offline_agent.dataset import validate_split_fractions
+    from offline_agent.ingest import ingest
+    from offline_agent.ingest.options import parse_mapping
+
+    try:
+        fractions = [float(x) for x in split.split(",")]
+    except ValueError:
+        raise UserError(f"--split expects three numbers like 0.8,0.1,0.1, got {split!r}") from None
+    if len(fractions) != 3:
+        raise UserError(f"--split expects three numbers like 0.8,0.1,0.1, got {split!r}")
+    summary = ingest(
+        paths, out, fmt=fmt, mapping=parse_mapping(map_), reward=reward, gamma=gamma,
+        success_threshold=success_threshold, split=validate_split_fractions(*fractions), strict=strict,
+        append=append, overwrite=overwrite, name=name, progress=sys.stderr.isatty(),
+    )
+    _print_ingest_summary(summary)
+
+
+def _print_ingest_summary(summary) -> None:
+    from rich.table import Table
+
+    table = Table(title=f"ingested into {summary.dataset}")
+    for col in ("source", "format", "records read", "episodes", "steps", "quarantined", "duplicates"):
+        table.add_column(col, justify="left" if col in ("source", "format") else "right")
+    for s in summary.sources:
+        if s.skipped:
+            table.add_row(s.path, s.format, "-", "-", "-", "-", s.skipped)
+        else:
+            table.add_row(s.path, s.format, *(str(v) for v in (
+                s.records_read, s.episodes, s.steps, s.quarantined, s.duplicates)))
+    out = _stdout()
+    out.print(table)
+    read, kept = summary.total("records_read"), summary.total("records_ingested")
+    q, d = summary.total("quarantined"), summary.total("duplicates")
+    verdict = "reconciled" if summary.reconciles else "DOES NOT RECONCILE (a bug: please report it)"
+    out.print(f"records read {read} = ingested {kept} + quarantined {q} + duplicates {d}: {verdict}")
+    for ex in summary.quarantine_examples:
+        out.print(f"  quarantined {ex['source']} {ex['location']}: {ex['reason']}", highlight=False)
+    if q:
+        out.print(f"see all with: offline-agent query {summary.dataset} \"SELECT * FROM quarantine\"")
+
+
+@app.command("info")
+def info_command(
+    dataset: str = typer.Argument(..., help="dataset folder"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Counts, success rate, return distribution, top tools and their error rates, quarantine count."""
+    import json
+
+    from offline_agent.dataset import TrajectoryDataset, write_catalog
+    from offline_agent.info import dataset_summary
+
+    ds = TrajectoryDataset.open(dataset)
+    summary = dataset_summary(ds)
+    try:
+        write_catalog(ds.path)  # refresh the DuckDB catalog's absolute paths (the folder may have moved)
+    except OSError:
+        pass
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2, default=str))
+        return
+    _print_info(summary)
+
+
+def _print_info(s: dict) -> None:
+    from rich.table import Table
+
+    out = _stdout()
+
+    def fmt(x):
+        return "-" if x is None else (f"{x:.3f}" if isinstance(x, float) else str(x))
+
+    out.print(f"[bold]{s['name']}[/]  {s['dataset']}  fingerprint {str(s['fingerprint'])[:12]}")
+    out.print(
+        f"episodes {s['episodes']}  steps {s['steps']}  mean steps/episode {fmt(s['mean_steps'])}  "
+        f"success rate {fmt(s['success_rate'])} (of {s['episodes_with_outcome']} with an outcome)  "
+        f"quarantined {s['quarantined']}"
+    )
+    out.print(f"splits {s['splits']}  action kinds {s['action_kinds']}  step error rate {fmt(s['error_rate'])}")
+    out.print("return: " + "  ".join(f"{k} {fmt(v)}" for k, v in s["return"].items()))
+    if s["top_tools"]:
+        table = Table(title="top tools")
+        table.add_column("tool")
+        table.add_column("calls", justify="right")
+        table.add_column("error rate", justify="right")
+        for t in s["top_tools"]:
+            table.add_row(t["tool"], str(t["calls"]), f"{t['error_rate']:.3f}")
+        out.print(table)
+
+
+@app.command("query")
+def query_command(
+    dataset: str = typer.Argument(..., help="dataset folder"),
+    sql: str = typer.Argument(..., help="SQL over the views steps, episodes, quarantine"),
+    fmt: str = typer.Option("table", "--format", "-f", help="table | csv | json | parquet"),
+    output: str | None = typer.Option(None, "--output", "-o", help="write to this file instead of stdout"),
+) -> None:
+    """Run SQL (DuckDB) over a dataset."""
+    from offline_agent.dataset import TrajectoryDataset
+
+    if fmt not in ("table", "csv", "json", "parquet"):
+        raise UserError(f"unknown --format {fmt!r}: use table, csv, json or parquet")
+    if fmt == "parquet" and not output:
+        raise UserError("--format parquet needs --output FILE")
+    frame = TrajectoryDataset.open(dataset).sql(sql)
+    if fmt == "parquet":
+        frame.write_parquet(output)
+    elif fmt == "csv":
+        text = frame.write_csv()
+    elif fmt == "json":
+        text = frame.write_ndjson()
+    else:
+        import polars as pl
+
+        with pl.Config(tbl_rows=50, tbl_cols=20, fmt_str_lengths=60):
+            text = str(frame) + "\n"
+    if fmt != "parquet":
+        if output:
+            with open(output, "w") as f:
+                f.write(text)
+        else:
+            sys.stdout.write(text)
+
+
+
+# --- rewards: relabel, drift (offline_agent/rewards.py, offline_agent/drift.py) ------------------------
+
+
+@app.command("relabel")
+def relabel_command(
+    dataset: str = typer.Argument(..., help="dataset folder to read (it is never modified)"),
+    reward: str = typer.Option(
+        ...,
+        "--reward",
+        help="reward spec: terms outcome[:W], subgoal[:W], step:C, current[:W], shaping:subgoals, "
+        "shaping:module:function joined with '+', e.g. 'outcome+subgoal:0.1+step:-0.01'",
+    ),
+    out: str = typer.Option(..., "--out", help="folder of the new dataset"),
+    gamma: float | None = typer.Option(None, "--gamma", help="discount of return_to_go (default: dataset's)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing dataset at --out"),
+) -> None:
+    """Recompute reward, return_to_go and episode returns under a new reward spec, into a new dataset."""
+    from offline_agent.rewards import relabel
+
+    new = relabel(dataset, reward, out, gamma=gamma, overwrite=overwrite)
+    counts = new.meta["counts"]
+    console.print(
+        f"relabelled {counts['episodes']} episodes, {counts['steps']} steps -> {new.path} "
+        f"(reward {new.meta['reward']['spec']}, gamma {new.meta['gamma']})",
+        highlight=False,
+    )
+
+
+@app.command("drift")
+def drift_command(
+    reference: str = typer.Argument(..., help="reference dataset (e.g. the training data)"),
+    new: str = typer.Argument(..., help="dataset to check against the reference"),
+    json_output: bool = typer.Option(False, "--json", help="print one JSON object instead of a table"),
+    psi_threshold: float = typer.Option(0.2, "--psi-threshold", help="flag drift when PSI > this"),
+    p_threshold: float = typer.Option(0.01, "--p-threshold", help="flag drift when a test's p-value < this"),
+    bins: int = typer.Option(10, "--bins", help="quantile bins of the reference for PSI"),
+    min_count: int = typer.Option(20, "--min-count", help="fewer samples on a side: report, never flag"),
+) -> None:
+    """Compare reward and outcome distributions, overall and per tool.
+
+    Exit code 1 when drift is found, 0 when not, 2 on bad input.
+    """
+    from offline_agent.drift import DriftConfig, compare_datasets, render_table, summary_line
+
+    config = DriftConfig(psi_threshold=psi_threshold, p_threshold=p_threshold, bins=bins, min_count=min_count)
+    report = compare_datasets(reference, new, config)
+    if json_output:
+        import orjson
+
+        sys.stdout.write(orjson.dumps(report.to_dict()).decode() + "\n")
+    else:
+        stdout = _stdout()
+        stdout.print(render_table(report))
+        stdout.print(summary_line(report), style="bold red" if report.drift else "green", highlight=False)
+    # SystemExit, not typer.Exit: main() runs the app with standalone_mode=False, which returns
+    # typer.Exit's code instead of raising it
+    if report.drift:
+        raise SystemExit(1)
+
+
+# --- embed: state/action embeddings into DATASET/embeddings (offline_agent/embed.py) ----------------------
+
+
+@app.command("embed")
+def embed_command(
+    dataset: str = typer.Argument(..., help="dataset folder; vectors go to DATASET/embeddings"),
+    encoder: str | None = typer.Option(
+        None, "--encoder", help="local transformers model folder [default: the packaged all-MiniLM-L6-v2]"
+    ),
+    k: int = typer.Option(3, "--k", min=0, help="previous (observation, action) turns in each state text"),
+    batch_size: int = typer.Option(64, "--batch-size", min=1, help="texts per encoder forward pass"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+) -> None:
+    """Embed every step's state text, every action and every candidate action, through the embedding cache."""
+    from offline_agent.dataset import TrajectoryDataset
+    from offline_agent.embed import CACHE_DIRNAME, EmbeddingCache, TextEncoder, dataset_texts
+
+    ds = TrajectoryDataset.open(dataset)
+    text_encoder = TextEncoder(encoder, device=device, batch_size=batch_size)
+    texts = dataset_texts(ds, k=k, max_tokens=text_encoder.max_length, count_tokens=text_encoder.count_tokens)
+    cache = EmbeddingCache(ds.path / CACHE_DIRNAME, text_encoder)
+    cache.embed([*texts.states, *texts.actions, *texts.candidates], progress=sys.stderr.isatty())
+    console.print(
+        f"{len(texts.states)} states, {len(texts.actions)} actions, {len(texts.candidates)} candidates: "
+        f"{cache.misses} new texts encoded, {cache.hits} cached -> {cache.folder}",
+        highlight=False,
+    )
+
+
+def main() -> None:
+    app()
 
 
 if __name__ == "__main__":

@@ -129,7 +129,9 @@ def ingest(
             first = "; ".join(f"{s} {q.location}: {q.reason}" for s, q in quarantined[:3])
             raise UserError(f"--strict: {len(quarantined)} record(s) could not be read, nothing was written. {first}")
         _write_quarantine(tmp, previous, quarantined)
-        summary.quarantine_examples = [{"source": s, "location": q.location, "reason": q.reason} for s, q in quarantined[:5]]
+        summary.quarantine_examples = [
+            {"source": s, "location": q.location, "reason": q.reason} for s, q in quarantined[:5]
+        ]
         meta = _meta(out, name, previous, summary, reward, gamma, success_threshold, split, mapping)
         meta["counts"] = {
             "episodes": len(known_digests) + writer.n_episodes,
@@ -139,8 +141,12 @@ def ingest(
         meta["fingerprint"] = combine_digests({**known_digests, **writer.digests})
         meta["episode_digests_file"] = "digests.parquet"
         pq.write_table(
-            pa.table({"episode_id": list({**known_digests, **writer.digests}),
-                      "digest": list({**known_digests, **writer.digests}.values())}),
+            pa.table(
+                {
+                    "episode_id": list({**known_digests, **writer.digests}),
+                    "digest": list({**known_digests, **writer.digests}.values()),
+                }
+            ),
             tmp / "digests.parquet",
         )
         write_meta(tmp, meta)
@@ -152,8 +158,8 @@ def _check_append_settings(previous: TrajectoryDataset, reward: str, gamma: floa
     old = previous.meta
     if old["reward"]["mode"] != reward or abs(old["gamma"] - gamma) > 1e-12:
         raise UserError(
-            f"--append to {previous.path}: it was ingested with --reward {old['reward']['mode']} --gamma {old['gamma']}; "
-            "use the same settings (or relabel it first)"
+            f"--append to {previous.path}: it was ingested with --reward {old['reward']['mode']} "
+            f"--gamma {old['gamma']}; use the same settings (or relabel it first)"
         )
 
 
@@ -264,6 +270,9 @@ def _progress(show: bool):
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     return Progress(
-        SpinnerColumn(), TextColumn("{task.description}"), TextColumn("{task.completed} records"),
-        TimeElapsedColumn(), transient=True,
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        TextColumn("{task.completed} records"),
+        TimeElapsedColumn(),
+        transient=True,
     )

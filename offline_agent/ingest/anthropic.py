@@ -58,9 +58,7 @@ def _user_block(builder: EpisodeBuilder, block: dict, first_user: str | None) ->
     if kind == "tool_result":
         text = text_of(block.get("content"))
         flagged = block.get("is_error")
-        builder.result(
-            block.get("tool_use_id"), text, bool(flagged) if flagged is not None else looks_like_error(text)
-        )
+        builder.result(block.get("tool_use_id"), text, bool(flagged) if flagged is not None else looks_like_error(text))
         return first_user
     if kind in ("image", "document"):
         builder.observe(f"[{kind}]")

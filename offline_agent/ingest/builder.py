@@ -28,8 +28,12 @@ class EpisodeBuilder:
         self._open_calls: dict[str | None, deque[int]] = {}
 
     def observe(self, text: str) -> None:
-        if text:
-            self._pending.append(text)
+        # Empty texts are kept as received (an empty tool result is still a result) and
+        # dropped only when joining, so they add no blank lines.
+        self._pending.append(text)
+
+    def _observation(self) -> str:
+        return "\n".join(t for t in self._pending if t)
 
     def act(
         self,
@@ -39,7 +43,7 @@ class EpisodeBuilder:
         info: dict[str, Any] | None = None,
         expects_result: bool = False,
     ) -> Step:
-        step = Step(observation="\n".join(self._pending), action=action, candidates=candidates, info=info or {})
+        step = Step(observation=self._observation(), action=action, candidates=candidates, info=info or {})
         self._pending = []
         self.steps.append(step)
         if expects_result:
@@ -85,7 +89,7 @@ class EpisodeBuilder:
         if not self.steps:
             raise RecordError("the record has no agent actions (no assistant messages or tool calls)")
         if self._pending:
-            self.steps[-1].info["final_observation"] = "\n".join(self._pending)
+            self.steps[-1].info["final_observation"] = self._observation()
         return self.steps
 
 

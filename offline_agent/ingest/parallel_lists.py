@@ -28,9 +28,7 @@ FIELDS = {
 def adapt_record(record: Record, opts: SourceOptions) -> Episode:
     r = require_dict(record.value)
     actions = require_list(opts.lookup(r, "actions", FIELDS["actions"], required=True), "actions")
-    observations = require_list(
-        opts.lookup(r, "observations", FIELDS["observations"], required=True), "observations"
-    )
+    observations = require_list(opts.lookup(r, "observations", FIELDS["observations"], required=True), "observations")
     rewards = opts.lookup(r, "rewards", FIELDS["rewards"])
     valid = opts.lookup(r, "valid", FIELDS["valid"])
     lengths = {"actions": len(actions), "observations": len(observations)}
@@ -47,9 +45,7 @@ def adapt_record(record: Record, opts: SourceOptions) -> Episode:
         except ActionError as exc:
             raise RecordError(f"action {i}: {exc}") from None
         builder.act(text, expects_result=True)
-        observation = text_of(observations[i]) if not isinstance(observations[i], int | float) else str(
-            observations[i]
-        )
+        observation = text_of(observations[i]) if not isinstance(observations[i], int | float) else str(observations[i])
         score = as_float(rewards[i], f"rewards[{i}]") if rewards is not None else None
         is_error = (not valid[i]) if valid is not None else looks_like_error(observation)
         builder.result(None, observation, bool(is_error), reward=score, score=score)

@@ -37,7 +37,7 @@ class Record:
 
 
 def _text(raw: bytes) -> str:
-    return raw[:MAX_RAW_CHARS].decode("utf-8", errors="replace")
+    return raw[:MAX_RAW_CHARS].rstrip(b"\r\n").decode("utf-8", errors="replace")
 
 
 def sniff_layout(path: Path) -> str:

@@ -47,18 +47,26 @@ FORMATS: dict[str, Adapter] = {
 }
 
 
+UNREADABLE = "unreadable"
+
+
 def detect_format(path: Path, mapping: dict[str, str]) -> str:
     """Guess the format from the first readable records; a clear error when they do not tell."""
     seen = 0
+    readable = False
     for item in read_records(path):
         if isinstance(item, Quarantined):
             continue
+        readable = True
         guess = _guess(item.value, mapping)
         if guess:
             return guess
         seen += 1
         if seen >= 20:
             break
+    if not readable:
+        # Nothing parses: any per-record adapter will pass the reader's quarantine rows through.
+        return UNREADABLE
     raise UserError(
         f"cannot tell the log format of {path}: pass --format with one of {', '.join(FORMATS)} "
         "or my.module:function (and --map NAME=FIELD for renamed fields)"
@@ -92,6 +100,8 @@ def resolve_adapter(fmt: str, path: Path, mapping: dict[str, str]) -> tuple[str,
     """(format name, adapter); the adapter is None for a user adapter, which reads its path itself."""
     if fmt == "auto":
         fmt = detect_format(path, mapping)
+    if fmt == UNREADABLE:
+        return fmt, FORMATS["openai-chat"]
     if fmt in FORMATS:
         return fmt, FORMATS[fmt]
     if ":" in fmt:

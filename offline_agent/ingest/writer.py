@@ -84,7 +84,9 @@ class StreamingWriter:
             cols["action_kind"].append(parsed.kind if not (last and parsed.kind != TOOL_CALL) else "final")
             cols["tool_name"].append(parsed.tool_name)
             cols["tool_args"].append(
-                orjson.dumps(parsed.tool_args, option=orjson.OPT_SORT_KEYS).decode() if parsed.kind == TOOL_CALL else None
+                orjson.dumps(parsed.tool_args, option=orjson.OPT_SORT_KEYS).decode()
+                if parsed.kind == TOOL_CALL
+                else None
             )
             cols["reward"].append(r)
             cols["terminated"].append(last and not episode.truncated)
@@ -94,8 +96,10 @@ class StreamingWriter:
             cols["info"].append(_json(self._step_info(s, r)))
             self._episode_index.append(self.n_episodes)
         outcome = episode.outcome
-        success = episode.success if episode.success is not None else (
-            None if outcome is None else outcome >= self.success_threshold
+        success = (
+            episode.success
+            if episode.success is not None
+            else (None if outcome is None else outcome >= self.success_threshold)
         )
         e = self._episodes
         e["episode_id"].append(episode.episode_id)

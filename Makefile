@@ -1,0 +1,41 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test bench lint clean
+
+# torch first, pinned: the CPU build of 2.13.0 is what pip finds on this disk; an unpinned
+# torch (asked for by transformers or d3rlpy) would pull a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+$(VENV)/.installed-bench: $(VENV)/.installed-dev
+	$(PIP) install -q -e '.[dev,bench]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) -m offline_agent.demo --out demo-output
+
+test: $(VENV)/.installed-dev
+	$(VENV)/bin/pytest -q
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+
+bench: $(VENV)/.installed-bench
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) demo-output .pytest_cache
