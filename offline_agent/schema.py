@@ -141,3 +141,14 @@ class Quarantined:
     location: str
     reason: str
     raw: str | None = None
+
+
+def schema_markdown() -> str:
+    """The README's column tables, written from the schemas and `COLUMN_DOCS` so they cannot drift apart."""
+    parts = []
+    for table, schema in (("steps", STEPS_SCHEMA), ("episodes", EPISODES_SCHEMA), ("quarantine", QUARANTINE_SCHEMA)):
+        parts.append(f"`{table}`\n\n| column | type | meaning |\n|---|---|---|")
+        for f in schema:
+            parts.append(f"| `{f.name}` | {f.type} | {COLUMN_DOCS[table][f.name]} |")
+        parts.append("")
+    return "\n".join(parts).strip()

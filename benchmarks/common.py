@@ -1,0 +1,39 @@
+"""What every benchmark shares: the machine stamp and writing a results table where the README finds it."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def machine_stamp() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cores} cores, {cpu}, Python {platform.python_version()}, {dt.date.today().isoformat()}"
+
+
+def write_result(name: str, title: str, table: str, command: str) -> Path:
+    """Write `benchmarks/results/<name>.md`: a heading, the machine stamp, the table, how to reproduce."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.md"
+    text = f"### {title}\n\nMachine: {machine_stamp()}. Reproduce: `{command}`.\n\n{table.strip()}\n"
+    path.write_text(text)
+    print(text)
+    return path
+
+
+def markdown_table(header: list[str], rows: list[list[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
