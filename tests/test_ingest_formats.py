@@ -232,7 +232,7 @@ def test_a_crash_mid_ingest_leaves_the_previous_dataset(tmp_path, monkeypatch):
     other = write_jsonl(tmp_path / "b.jsonl", [chat_record(episode_id=f"b{i}") for i in range(5)])
 
     calls = {"n": 0}
-    real_add = writer_module.StreamingWriter.add
+    real_add = writer_module.EpisodeRows.add
 
     def crashing_add(self, episode, source):
         calls["n"] += 1
@@ -240,7 +240,7 @@ def test_a_crash_mid_ingest_leaves_the_previous_dataset(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # as if the process were interrupted mid-write
         return real_add(self, episode, source)
 
-    monkeypatch.setattr(writer_module.StreamingWriter, "add", crashing_add)
+    monkeypatch.setattr(writer_module.EpisodeRows, "add", crashing_add)
     with pytest.raises(KeyboardInterrupt):
         ingest([other], tmp_path / "ds", overwrite=True)
     after = {p.name: p.read_bytes() for p in (tmp_path / "ds").rglob("*.parquet")}

@@ -31,9 +31,17 @@ from offline_agent.dataset import (
 )
 from offline_agent.errors import UserError
 from offline_agent.ingest.options import SourceOptions
-from offline_agent.ingest.readers import read_records
-from offline_agent.ingest.registry import resolve_adapter, user_adapter_items
-from offline_agent.ingest.writer import REWARD_MODES, StreamingWriter, quarantine_table
+from offline_agent.ingest.parallel import MIN_PARALLEL_BYTES, default_workers, parallel_chunks
+from offline_agent.ingest.readers import read_records, sniff_layout
+from offline_agent.ingest.registry import FORMATS, resolve_adapter, user_adapter_items
+from offline_agent.ingest.writer import (
+    REWARD_MODES,
+    ROWS_PER_GROUP,
+    EpisodeRows,
+    RowSettings,
+    StreamingWriter,
+    quarantine_table,
+)
 from offline_agent.schema import QUARANTINE_SCHEMA, SCHEMA_VERSION, Episode, Quarantined
 
 LOG_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -101,6 +109,7 @@ def ingest(
     overwrite: bool = False,
     name: str | None = None,
     progress: bool = False,
+    workers: int | None = None,
 ) -> IngestSummary:
     """Ingest log files into the dataset at `out` (see the module docstring); returns the reconciled summary."""
     if reward not in REWARD_MODES:
@@ -118,12 +127,13 @@ def ingest(
     summary = IngestSummary(dataset=str(out))
     with atomic_dataset_dir(out, overwrite=overwrite or previous is not None) as tmp:
         known_ids, known_digests, known_sha, part = _carry_over(previous, tmp)
-        writer = StreamingWriter(tmp, f"part-{part:05d}", reward, gamma, split, success_threshold)
+        writer = StreamingWriter(tmp, f"part-{part:05d}")
+        settings = RowSettings(reward, gamma, split, success_threshold)
         quarantined: list[tuple[str, Quarantined]] = []
+        run = _SourceRun(writer, settings, known_ids, known_sha, quarantined, workers or default_workers())
         with _progress(progress) as bar:
             for path in files:
-                source = _ingest_source(path, fmt, mapping, writer, known_ids, known_sha, quarantined, bar)
-                summary.sources.append(source)
+                summary.sources.append(run.ingest(path, fmt, mapping, bar))
         writer.close()
         if strict and quarantined:
             first = "; ".join(f"{s} {q.location}: {q.reason}" for s, q in quarantined[:3])
@@ -186,36 +196,80 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-def _ingest_source(path, fmt, mapping, writer, known_ids, known_sha, quarantined, bar) -> SourceSummary:
-    sha = file_sha256(path)
-    adapter_name, adapter = resolve_adapter(fmt, path, mapping) if path.stat().st_size else (fmt, None)
-    source = SourceSummary(path=str(path), sha256=sha, format=adapter_name)
-    if sha in known_sha:
-        source.skipped = "already ingested (same sha256)"
-        return source
-    known_sha.add(sha)
-    opts = SourceOptions(source=str(path), stem=path.stem, sha256=sha, mapping=mapping)
-    task = bar.add_task(f"ingest {path.name}", total=None) if bar else None
-    for item in _items(path, adapter_name, adapter, opts):
-        if isinstance(item, Quarantined):
-            source.records_read += 1
-            source.quarantined += 1
-            quarantined.append((str(path), item))
+@dataclass
+class _SourceRun:
+    """The state one ingest shares across its sources: the writer, what is already known, the quarantine."""
+
+    writer: StreamingWriter
+    settings: RowSettings
+    known_ids: set[str]
+    known_sha: set[str]
+    quarantined: list[tuple[str, Quarantined]]
+    workers: int
+
+    def ingest(self, path: Path, fmt: str, mapping: dict[str, str], bar) -> SourceSummary:
+        sha = file_sha256(path)
+        adapter_name, adapter = resolve_adapter(fmt, path, mapping) if path.stat().st_size else (fmt, None)
+        source = SourceSummary(path=str(path), sha256=sha, format=adapter_name)
+        if sha in self.known_sha:
+            source.skipped = "already ingested (same sha256)"
+            return source
+        self.known_sha.add(sha)
+        opts = SourceOptions(source=str(path), stem=path.stem, sha256=sha, mapping=mapping)
+        task = bar.add_task(f"ingest {path.name}", total=None) if bar else None
+        parallel = (
+            self.workers > 1
+            and adapter is not None
+            and adapter_name in FORMATS
+            and adapter_name != "steps-jsonl"  # its episodes span lines anywhere in the file
+            and path.stat().st_size >= MIN_PARALLEL_BYTES
+            and sniff_layout(path) == "jsonl"
+        )
+        if parallel:
+            for result in parallel_chunks(path, adapter_name, opts, self.settings, self.workers):
+                self._take_chunk(result, source)
+                if bar:
+                    bar.update(task, completed=source.records_read)
         else:
-            source.records_read += item.records
-            if item.episode_id in known_ids:
-                source.duplicates += item.records
+            self._ingest_sequentially(path, adapter_name, adapter, opts, source, bar, task)
+        return source
+
+    def _ingest_sequentially(self, path, adapter_name, adapter, opts, source, bar, task) -> None:
+        rows = EpisodeRows(self.settings)
+        for item in _items(path, adapter_name, adapter, opts):
+            if isinstance(item, Quarantined):
+                source.records_read += 1
+                source.quarantined += 1
+                self.quarantined.append((str(path), item))
             else:
-                known_ids.add(item.episode_id)
-                writer.add(item, str(path))
-                source.records_ingested += item.records
-                source.episodes += 1
-                source.steps += len(item.steps)
-        if bar and source.records_read % 1000 == 0:
-            bar.update(task, completed=source.records_read)
-    if bar:
-        bar.update(task, completed=source.records_read)
-    return source
+                source.records_read += item.records
+                if item.episode_id in self.known_ids:
+                    source.duplicates += item.records
+                else:
+                    self.known_ids.add(item.episode_id)
+                    rows.add(item, str(path))
+                    source.records_ingested += item.records
+                    source.episodes += 1
+                    source.steps += len(item.steps)
+                    if rows.n_steps >= ROWS_PER_GROUP:
+                        self.writer.write(rows.build())
+            if bar and source.records_read % 1000 == 0:
+                bar.update(task, completed=source.records_read)
+        self.writer.write(rows.build())
+
+    def _take_chunk(self, result, source: SourceSummary) -> None:
+        ids = result.group.episodes["episode_id"].to_pylist()
+        repeated = {i for i in ids if i in self.known_ids}
+        group = result.group.without(repeated)
+        self.known_ids.update(ids)
+        source.records_read += result.records_read
+        source.quarantined += len(result.quarantined)
+        source.duplicates += result.duplicates + len(repeated)  # per-record formats: one record per episode
+        source.records_ingested += group.episodes.num_rows
+        source.episodes += group.episodes.num_rows
+        source.steps += group.steps.num_rows
+        self.quarantined.extend((source.path, q) for q in result.quarantined)
+        self.writer.write(group)
 
 
 def _items(path: Path, name: str, adapter, opts: SourceOptions) -> Iterator[Episode | Quarantined]:

@@ -73,11 +73,28 @@ def read_records(path: Path) -> Iterator[Record | Quarantined]:
 
 def _read_jsonl(path: Path) -> Iterator[Record | Quarantined]:
     saw_any = False
+    for item in read_jsonl_range(path, 0, None, 1):
+        saw_any = True
+        yield item
+    if not saw_any:
+        yield Quarantined("file", "empty file: only blank lines", "")
+
+
+def read_jsonl_range(path: Path, start: int, end: int | None, first_lineno: int) -> Iterator[Record | Quarantined]:
+    """Records of the lines in bytes [start, end) of a JSONL file (`end` None: to the end of the file).
+
+    `start` must be the first byte of a line and `first_lineno` its 1-based number, so that
+    locations (and the episode ids derived from them) are the same however a file is split.
+    """
     with open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
+        f.seek(start)
+        position = start
+        for lineno, line in enumerate(f, start=first_lineno):
+            if end is not None and position >= end:
+                break
+            position += len(line)
             if not line.strip():
                 continue
-            saw_any = True
             location = f"line {lineno}"
             try:
                 line.decode("utf-8")
@@ -98,8 +115,6 @@ def _read_jsonl(path: Path) -> Iterator[Record | Quarantined]:
                 yield Quarantined(location, reason, _text(line))
                 continue
             yield Record(location, value, line.rstrip(b"\r\n"))
-    if not saw_any:
-        yield Quarantined("file", "empty file: only blank lines", "")
 
 
 def _read_json_document(path: Path) -> Iterator[Record | Quarantined]:

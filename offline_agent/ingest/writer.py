@@ -1,10 +1,12 @@
-"""The streaming writer: canonical episodes in, Parquet row groups out, memory bounded by one row group.
+"""From canonical episodes to Parquet: `EpisodeRows` builds Arrow row groups, `StreamingWriter` writes them.
 
 Rewards are fixed here, from the `--reward` choice: `outcome` puts the
 episode's outcome on its last step, `per-step` keeps the log's step rewards,
 `score-delta` turns the log's running scores into increments. Return-to-go is
-computed with the dataset's gamma per buffered row group (episodes never span
-two groups).
+computed with the dataset's gamma when a row group is built (an episode never
+spans two groups). Row groups are built either in this process or in worker
+processes (see `offline_agent.ingest.parallel`); either way memory is bounded
+by a few row groups.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import numpy as np
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from offline_agent.actions import TOOL_CALL, parse_action
@@ -48,45 +51,71 @@ def _json(value: Any) -> str | None:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode() if value else None
 
 
-@dataclass
-class StreamingWriter:
-    folder: Path
-    part: str
+@dataclass(frozen=True)
+class RowSettings:
+    """What turns an episode into rows: the dataset's reward mode, gamma, split rule and success threshold."""
+
     reward_mode: str
     gamma: float
     split: dict[str, float]
     success_threshold: float
-    rows_per_group: int = ROWS_PER_GROUP
-    digests: dict[str, str] = field(default_factory=dict)
-    n_steps: int = 0
-    n_episodes: int = 0
 
-    def __post_init__(self) -> None:
-        (self.folder / "steps").mkdir(exist_ok=True)
-        (self.folder / "episodes").mkdir(exist_ok=True)
-        self._steps_out = pq.ParquetWriter(self.folder / "steps" / f"{self.part}.parquet", STEPS_SCHEMA)
-        self._episodes_out = pq.ParquetWriter(self.folder / "episodes" / f"{self.part}.parquet", EPISODES_SCHEMA)
-        self._steps: dict[str, list] = {name: [] for name in STEPS_SCHEMA.names}
-        self._episode_index: list[int] = []
+
+@dataclass
+class RowGroup:
+    """A built row group: Arrow tables of steps and episodes, and each episode's content digest."""
+
+    steps: pa.Table
+    episodes: pa.Table
+    digests: dict[str, str]
+
+    def without(self, episode_ids: set[str]) -> RowGroup:
+        """The same group minus some episodes (duplicates found after the group was built)."""
+        if not episode_ids:
+            return self
+        drop = pa.array(sorted(episode_ids), pa.string())
+        return RowGroup(
+            self.steps.filter(pc.invert(pc.is_in(self.steps["episode_id"], value_set=drop))),
+            self.episodes.filter(pc.invert(pc.is_in(self.episodes["episode_id"], value_set=drop))),
+            {k: v for k, v in self.digests.items() if k not in episode_ids},
+        )
+
+
+class EpisodeRows:
+    """Accumulates episodes as columns; `build()` turns them into a `RowGroup` and starts afresh."""
+
+    def __init__(self, settings: RowSettings):
+        self.settings = settings
+        self._reset()
+
+    def _reset(self) -> None:
+        self._steps: dict[str, list] = {name: [] for name in STEPS_SCHEMA.names if name != "return_to_go"}
         self._episodes: dict[str, list] = {name: [] for name in EPISODES_SCHEMA.names}
+        self._episode_index: list[int] = []
+        self._digests: dict[str, str] = {}
+
+    @property
+    def n_steps(self) -> int:
+        return len(self._steps["step"])
 
     def add(self, episode: Episode, source: str) -> None:
-        rewards = step_rewards(episode, self.reward_mode)
+        settings = self.settings
+        rewards = step_rewards(episode, settings.reward_mode)
         n = len(episode.steps)
         cols = self._steps
+        index = len(self._episodes["episode_id"])
         for i, (s, r) in enumerate(zip(episode.steps, rewards, strict=True)):
             parsed = parse_action(s.action)
             last = i == n - 1
+            is_call = parsed.kind == TOOL_CALL
             cols["episode_id"].append(episode.episode_id)
             cols["step"].append(i)
             cols["observation"].append(s.observation)
             cols["action"].append(s.action)
-            cols["action_kind"].append(parsed.kind if not (last and parsed.kind != TOOL_CALL) else "final")
+            cols["action_kind"].append(parsed.kind if (is_call or not last) else "final")
             cols["tool_name"].append(parsed.tool_name)
             cols["tool_args"].append(
-                orjson.dumps(parsed.tool_args, option=orjson.OPT_SORT_KEYS).decode()
-                if parsed.kind == TOOL_CALL
-                else None
+                orjson.dumps(parsed.tool_args, option=orjson.OPT_SORT_KEYS).decode() if is_call else None
             )
             cols["reward"].append(r)
             cols["terminated"].append(last and not episode.truncated)
@@ -94,13 +123,12 @@ class StreamingWriter:
             cols["is_error"].append(s.is_error)
             cols["candidates"].append(s.candidates)
             cols["info"].append(_json(self._step_info(s, r)))
-            self._episode_index.append(self.n_episodes)
+            self._episode_index.append(index)
         outcome = episode.outcome
-        success = (
-            episode.success
-            if episode.success is not None
-            else (None if outcome is None else outcome >= self.success_threshold)
-        )
+        if episode.success is not None:
+            success = episode.success
+        else:
+            success = None if outcome is None else outcome >= settings.success_threshold
         e = self._episodes
         e["episode_id"].append(episode.episode_id)
         e["source"].append(source)
@@ -110,15 +138,11 @@ class StreamingWriter:
         e["return"].append(float(sum(rewards)))
         e["success"].append(success)
         e["outcome"].append(outcome)
-        e["split"].append(split_of(episode.episode_id, self.split))
+        e["split"].append(split_of(episode.episode_id, settings.split))
         e["metadata"].append(_json(episode.metadata))
-        self.digests[episode.episode_id] = episode_digest(
+        self._digests[episode.episode_id] = episode_digest(
             episode.episode_id, [s.action for s in episode.steps], [s.observation for s in episode.steps], rewards
         )
-        self.n_steps += n
-        self.n_episodes += 1
-        if len(cols["step"]) >= self.rows_per_group:
-            self.flush()
 
     def _step_info(self, s: Step, reward: float) -> dict[str, Any]:
         # The log's own numbers are kept even when the dataset's reward is something else,
@@ -126,23 +150,47 @@ class StreamingWriter:
         info = dict(s.info)
         if s.score is not None:
             info["score"] = s.score
-        if s.reward is not None and (self.reward_mode != "per-step" or s.reward != reward):
+        if s.reward is not None and (self.settings.reward_mode != "per-step" or s.reward != reward):
             info["log_reward"] = s.reward
         return info
 
-    def flush(self) -> None:
-        cols = self._steps
-        if cols["step"]:
-            rewards = np.asarray(cols["reward"], dtype=np.float64)
-            cols["return_to_go"] = discounted_returns(rewards, np.asarray(self._episode_index), self.gamma).tolist()
-            self._steps_out.write_table(pa.table(cols, schema=STEPS_SCHEMA))
-            self._episodes_out.write_table(pa.table(self._episodes, schema=EPISODES_SCHEMA))
-        self._steps = {name: [] for name in STEPS_SCHEMA.names}
-        self._episodes = {name: [] for name in EPISODES_SCHEMA.names}
-        self._episode_index = []
+    def build(self) -> RowGroup:
+        rewards = np.asarray(self._steps["reward"], dtype=np.float64)
+        returns = discounted_returns(rewards, np.asarray(self._episode_index, dtype=np.int64), self.settings.gamma)
+        steps = pa.table({**self._steps, "return_to_go": returns.astype(np.float32)}).select(STEPS_SCHEMA.names)
+        group = RowGroup(
+            steps.cast(STEPS_SCHEMA), pa.table(self._episodes, schema=EPISODES_SCHEMA), dict(self._digests)
+        )
+        self._reset()
+        return group
+
+
+@dataclass
+class StreamingWriter:
+    """Appends row groups to one part file of steps and one of episodes."""
+
+    folder: Path
+    part: str
+    digests: dict[str, str] = field(default_factory=dict)
+    n_steps: int = 0
+    n_episodes: int = 0
+
+    def __post_init__(self) -> None:
+        (self.folder / "steps").mkdir(exist_ok=True)
+        (self.folder / "episodes").mkdir(exist_ok=True)
+        self._steps_out = pq.ParquetWriter(self.folder / "steps" / f"{self.part}.parquet", STEPS_SCHEMA)
+        self._episodes_out = pq.ParquetWriter(self.folder / "episodes" / f"{self.part}.parquet", EPISODES_SCHEMA)
+
+    def write(self, group: RowGroup) -> None:
+        if group.episodes.num_rows == 0:
+            return
+        self._steps_out.write_table(group.steps, row_group_size=ROWS_PER_GROUP * 2)
+        self._episodes_out.write_table(group.episodes)
+        self.digests.update(group.digests)
+        self.n_steps += group.steps.num_rows
+        self.n_episodes += group.episodes.num_rows
 
     def close(self) -> None:
-        self.flush()
         self._steps_out.close()
         self._episodes_out.close()
 
