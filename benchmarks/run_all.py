@@ -1,0 +1,65 @@
+"""`make bench`: run every benchmark, then rewrite the README's results tables from their outputs.
+
+Each benchmark script writes `benchmarks/results/<name>.md` (a heading, the
+machine stamp, the table, the command that reproduces it). This runner runs
+them in order and splices those files, in a fixed order, between the
+`<!-- results:start -->` and `<!-- results:end -->` markers of README.md.
+`--only NAME` runs a subset; `--readme-only` just re-splices existing results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+README = HERE.parent / "README.md"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+#: (result name, script, extra arguments) in README order.
+BENCHMARKS = [
+    ("ingest", "ingest.py", []),
+    ("envs", "envs.py", []),
+    ("embed", "embed.py", []),
+    ("train_speed", "train_speed.py", []),
+    ("offline_quality", "offline_quality.py", []),
+    ("real_logs_auc", "real_logs_auc.py", []),
+    ("online", "online.py", []),
+]
+
+
+def splice_readme(readme: Path = README, results: Path = HERE / "results") -> None:
+    text = readme.read_text()
+    if START not in text or END not in text:
+        raise SystemExit(f"{readme} has no {START} ... {END} markers")
+    blocks = [(results / f"{name}.md").read_text().strip() for name, _, _ in BENCHMARKS
+              if (results / f"{name}.md").exists()]
+    body = "\n\n".join(blocks) if blocks else "_No results yet: run `make bench`._"
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{body}\n{END}{tail}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", help="names of benchmarks to run (default: all)")
+    parser.add_argument("--readme-only", action="store_true", help="only rewrite the README from existing results")
+    args = parser.parse_args()
+    failed = []
+    if not args.readme_only:
+        for name, script, extra in BENCHMARKS:
+            if args.only and name not in args.only:
+                continue
+            print(f"\n=== benchmark {name}", flush=True)
+            if subprocess.run([sys.executable, str(HERE / script), *extra]).returncode != 0:
+                failed.append(name)
+    splice_readme()
+    print(f"\nREADME results rewritten from {HERE / 'results'}")
+    if failed:
+        raise SystemExit(f"benchmarks failed: {', '.join(failed)}")
+
+
+if __name__ == "__main__":
+    main()

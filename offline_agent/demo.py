@@ -1,0 +1,98 @@
+"""`make demo`: the whole pipeline on the bundled sample logs, as a newcomer would type it.
+
+Each stage is the `offline-agent` command a user would run, printed and then
+run in a subprocess, so the demo doubles as a tour of the command line:
+ingest the sample logs, look at them, embed, train CQL and BC, fine-tune the
+CQL policy online with PPO + KL, evaluate every policy in the simulator, and
+write one HTML report. Budgets are small so it finishes in minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLES = REPO / "datasets"
+ENV = "offline_agent/PipelineRepair-v0"
+SAMPLE = "pipeline_repair"
+
+
+RECOVERY_SQL = """
+SELECT saw_error, count(*) AS episodes, round(avg(success::INT), 3) AS success_rate
+FROM (SELECT e.episode_id, e.success, bool_or(s.is_error) AS saw_error
+      FROM episodes e JOIN steps s USING (episode_id) GROUP BY 1, 2)
+GROUP BY saw_error ORDER BY saw_error"""
+
+
+def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
+    """(title, argv) of each stage; an argv ending in `> FILE` saves the command's stdout there."""
+    data = out / "data" / SAMPLE
+    runs = out / "runs"
+    train_steps = "300" if quick else "3000"
+    iterations = "2" if quick else "20"
+    episodes = "20" if quick else "200"
+    return [
+        ("ingest the sample logs", ["ingest", str(SAMPLES / SAMPLE / "logs.jsonl"), "--out", str(data)]),
+        ("what is in them", ["info", str(data)]),
+        ("which tools fail most", ["query", str(data), "SELECT tool_name, count(*) AS calls, "
+                                   "round(avg(is_error::INT), 3) AS error_rate FROM steps "
+                                   "WHERE tool_name IS NOT NULL GROUP BY 1 ORDER BY error_rate DESC LIMIT 8"]),
+        ("do episodes that hit an error still succeed?", ["query", str(data), RECOVERY_SQL]),
+        ("embed states and actions (cached)", ["embed", str(data)]),
+        ("train the CQL value head", ["train", str(data), "--algo", "cql", "--out", str(runs / "cql"),
+                                      "--steps", train_steps, "--seed", "0"]),
+        ("train behaviour cloning (baseline)", ["train", str(data), "--algo", "bc", "--out", str(runs / "bc"),
+                                                "--steps", train_steps, "--seed", "0"]),
+        ("fine-tune CQL online with PPO + KL", ["finetune", str(runs / "cql"), "--env", ENV, "--out",
+                                                str(runs / "finetune"), "--iterations", iterations,
+                                                "--target-kl", "0.05", "--seed", "0"]),
+        ("evaluate behaviour cloning", ["evaluate", str(runs / "bc"), "--env", ENV, "--episodes", episodes,
+                                        "--seed", "1000", "--json", ">", str(out / "eval" / "bc.json")]),
+        ("evaluate CQL", ["evaluate", str(runs / "cql"), "--env", ENV, "--episodes", episodes, "--seed", "1000",
+                          "--json", ">", str(out / "eval" / "cql.json")]),
+        ("evaluate the fine-tuned policy", ["evaluate", str(runs / "finetune"), "--env", ENV, "--episodes",
+                                            episodes, "--seed", "1000", "--json", ">",
+                                            str(out / "eval" / "finetune.json")]),
+        ("write the report", ["report", str(out), "--dataset", str(data), "--out", str(out / "report.html")]),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="demo-output", help="folder for the demo's datasets, runs and report")
+    parser.add_argument("--quick", action="store_true", help="tiny budgets (for tests)")
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg"}
+    exe = [sys.executable, "-m", "offline_agent.cli"]
+    started = time.perf_counter()
+    (out / "eval").mkdir()
+    for title, argv in stages(out, args.quick):
+        save_to = Path(argv[-1]) if len(argv) > 2 and argv[-2] == ">" else None
+        argv = argv[:-2] if save_to else argv
+        shown = shlex.join(argv) + (f" > {save_to}" if save_to else "")
+        print(f"\n== {title}\n$ offline-agent {shown}", flush=True)
+        if save_to:
+            result = subprocess.run(exe + argv, env=env, cwd=out, stdout=subprocess.PIPE, text=True)
+            save_to.write_text(result.stdout)
+            print(result.stdout, end="")
+        else:
+            result = subprocess.run(exe + argv, env=env, cwd=out)
+        if result.returncode != 0:
+            sys.exit(f"demo stage failed ({title}), exit code {result.returncode}")
+    minutes = (time.perf_counter() - started) / 60
+    print(f"\nDemo finished in {minutes:.1f} min. Report: {out / 'report.html'}")
+
+
+if __name__ == "__main__":
+    main()
