@@ -265,7 +265,7 @@ def drift_command(
 def embed_command(
     dataset: str = typer.Argument(..., help="dataset folder; vectors go to DATASET/embeddings"),
     encoder: str | None = typer.Option(
-        None, "--encoder", help="local transformers model folder [default: the packaged all-MiniLM-L6-v2]"
+        None, "--encoder", help="local transformers model folder (default: the packaged all-MiniLM-L6-v2)"
     ),
     k: int = typer.Option(3, "--k", min=0, help="previous (observation, action) turns in each state text"),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="texts per encoder forward pass"),
@@ -284,6 +284,34 @@ def embed_command(
         f"{len(texts.states)} states, {len(texts.actions)} actions, {len(texts.candidates)} candidates: "
         f"{cache.misses} new texts encoded, {cache.hits} cached -> {cache.folder}",
         highlight=False,
+    )
+
+
+# --- simulate: behaviour-policy rollouts in a simulator, written as chat logs (offline_agent/simulate.py) ---
+
+
+@app.command("simulate")
+def simulate_command(
+    env: str = typer.Argument(
+        ..., help="environment: a registered id (offline_agent/Logistics-v0, ...) or module.path:factory"
+    ),
+    episodes: int = typer.Option(100, "--episodes", "-n", help="episodes to roll out"),
+    policy: str = typer.Option(
+        "noisy:0.5", "--policy", help="behaviour policy: expert, random, noisy:EPS, flaky:EPS or llm-like"
+    ),
+    seed: int = typer.Option(0, "--seed", help="run seed: episode i resets with a seed derived from (seed, i)"),
+    out: str = typer.Option(..., "--out", "-o", help="JSONL file to write (OpenAI chat format, one episode a line)"),
+) -> None:
+    """Roll out a behaviour policy in a simulator, write its logs, and print its success rate."""
+    from offline_agent.simulate import simulate
+
+    summary = simulate(env, episodes, policy, seed, out, progress=sys.stderr.isatty())
+    low, high = summary.success_interval
+    typer.echo(
+        f"wrote {summary.episodes} episodes ({summary.steps} steps) to {summary.path}\n"
+        f"policy {summary.policy} on {summary.env}: success rate {summary.success_rate:.3f} "
+        f"(95% CI {low:.3f}-{high:.3f}), mean return {summary.mean_return:.3f}, "
+        f"mean steps {summary.steps / summary.episodes:.1f}"
     )
 
 
