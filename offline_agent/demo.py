@@ -21,7 +21,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SAMPLES = REPO / "datasets"
 ENV = "offline_agent/PipelineRepair-v0"
-SAMPLE = "pipeline_repair"
+SAMPLE = "pipeline"
 
 
 RECOVERY_SQL = """

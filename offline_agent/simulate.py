@@ -243,6 +243,7 @@ def simulate(
                 steps += result.n_steps
                 total += result.episode_return
                 advance()
+        os.chmod(tmp, 0o644)  # mkstemp makes files private; a log is meant to be shared like any other
         os.replace(tmp, out)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
