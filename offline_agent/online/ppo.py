@@ -1,0 +1,535 @@
+"""PPO over candidate actions, kept near the offline policy by a KL penalty: the math and one training iteration.
+
+The policy scores the candidates of an observation with a copy of the offline
+checkpoint's network, `logits = Q(s, .) / tau`, so at iteration 0 it *is* the
+offline policy `softmax(Q / tau)`; fine-tuning moves that copy. The reference
+policy is the frozen offline network. Each step's reward is
+`r - beta * KL(pi(.|s) || pi_ref(.|s))` with the KL exact over the (allowed)
+candidates (`kl.py`), beta fixed or adapted to a target KL. One iteration
+(`PPOTrainer.train_iteration`) reads top to bottom: roll out `num_steps` steps in
+each of `num_envs` environments, GAE(gamma, lambda) advantages, `update_epochs`
+epochs of clipped-objective minibatch updates, one metrics row.
+
+Value head: an MLP over phi(s). With `value_init="critic"` it predicts a
+residual on top of the offline critic's value `V_ref(s) = sum_a pi_ref(a|s)
+Q_ref(s, a)` (the MLP's last layer starts at zero, so V starts as V_ref). What we
+measured (benchmarks/online.py, Logistics-v0, MiniLM, 4 envs, 8 iterations of
+256 steps, seed 0): FILLED IN BELOW FROM THE BENCHMARK.
+
+Determinism: sampling and minibatch order use one seeded `torch.Generator`;
+environments are re-seeded from (seed, iteration) and reset at the start of
+every iteration (a partial episode at the end of a rollout is bootstrapped with
+V and dropped), so no environment state has to survive a checkpoint; each text
+is embedded alone, never in a padded batch, so its vector does not depend on
+which other texts happened to be new at the same step (after a resume the
+in-memory cache is empty and the new-text batches differ). With those, a resumed
+run repeats an uninterrupted one bit for bit (see `finetune.py`).
+
+Dimension letters: T rollout steps per environment, N environments, B rows (T * N or a minibatch),
+C candidate slots, D embedding width, H hidden width.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch import nn
+
+from offline_agent.actions import canonical_action
+from offline_agent.errors import UserError
+from offline_agent.online.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    entropy,
+    exact_kl,
+    masked_log_softmax,
+)
+from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter
+from offline_agent.online.vector import VectorMode, make_vector_env
+
+#: Metric names of one iteration (a stable contract; `safety/blocked/<rule>` columns are added per rule).
+METRICS = (
+    "iteration",
+    "env_steps",
+    "objective/kl",
+    "objective/beta",
+    "objective/non_score_reward",
+    "objective/score",
+    "policy/approx_kl",
+    "policy/clipfrac",
+    "policy/entropy",
+    "loss/policy",
+    "loss/value",
+    "charts/success_rate",
+    "charts/episode_return",
+    "charts/episode_length",
+    "charts/episodes",
+    "safety/blocked",
+    "safety/truncated",
+    "time/steps_per_second",
+)
+DEFAULT_TARGET_KL = 0.05
+
+
+@dataclass
+class PPOConfig:
+    """Settings of a fine-tuning run; `__post_init__` rejects values that cannot work, naming the fix."""
+
+    iterations: int = field(default=20, metadata={"help": "rollout + update iterations"})
+    num_envs: int = field(default=4, metadata={"help": "environments stepped in parallel"})
+    num_steps: int = field(default=128, metadata={"help": "steps per environment per rollout (T)"})
+    learning_rate: float = field(default=1e-4, metadata={"help": "Adam learning rate"})
+    anneal_lr: bool = field(default=False, metadata={"help": "decay the learning rate linearly to 0"})
+    gamma: float = field(default=0.99, metadata={"help": "discount factor, in [0, 1]"})
+    gae_lambda: float = field(default=0.95, metadata={"help": "GAE lambda, in [0, 1]"})
+    update_epochs: int = field(default=4, metadata={"help": "passes over each rollout"})
+    num_minibatches: int = field(default=4, metadata={"help": "minibatches per pass"})
+    clip_coef: float = field(default=0.2, metadata={"help": "PPO ratio clipping epsilon, > 0"})
+    ent_coef: float = field(default=0.0, metadata={"help": "entropy bonus weight, >= 0"})
+    vf_coef: float = field(default=0.5, metadata={"help": "value loss weight, >= 0"})
+    max_grad_norm: float = field(default=0.5, metadata={"help": "global gradient-norm clip, > 0"})
+    norm_adv: bool = field(default=True, metadata={"help": "normalise advantages per minibatch"})
+    beta: float | None = field(default=None, metadata={"help": "fixed KL weight (--beta); excludes target_kl"})
+    target_kl: float | None = field(
+        default=None, metadata={"help": f"adaptive KL target per step (--target-kl); default {DEFAULT_TARGET_KL}"}
+    )
+    init_beta: float = field(default=0.1, metadata={"help": "starting beta of the adaptive controller, > 0"})
+    kl_horizon: int = field(default=10_000, metadata={"help": "controller horizon in env steps (Ziegler: 10k)"})
+    value_init: Literal["critic", "zero"] = field(
+        default="critic", metadata={"help": "critic: V = V_ref(s) + MLP residual; zero: a fresh MLP"}
+    )
+    value_hidden: int = field(default=128, metadata={"help": "hidden width of the value MLP"})
+    from_scratch: bool = field(
+        default=False, metadata={"help": "re-initialise the policy head (the PPO-from-scratch baseline)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of sampling, minibatches and environments"})
+    vector: VectorMode = field(default="auto", metadata={"help": "auto | sync | process environments"})
+    torch_threads: int = field(default=1, metadata={"help": "torch intra-op threads (fixed: results depend on it)"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+
+    def __post_init__(self) -> None:
+        if self.beta is not None and self.target_kl is not None:
+            raise UserError(
+                f"--beta {self.beta} (fixed) and --target-kl {self.target_kl} (adaptive) exclude each other: give one"
+            )
+        if self.target_kl is not None and not self.target_kl > 0:
+            raise UserError(f"--target-kl must be > 0, got {self.target_kl}; e.g. 0.05, or use --beta 0 for no KL")
+        if self.beta is not None and not self.beta >= 0:
+            raise UserError(f"--beta must be >= 0, got {self.beta}; e.g. 0.1 (0 turns the KL penalty off)")
+        if self.beta is None and self.target_kl is None:
+            self.target_kl = DEFAULT_TARGET_KL
+        positive = ("iterations", "num_envs", "num_steps", "update_epochs", "num_minibatches", "kl_horizon")
+        for name in positive + ("value_hidden", "torch_threads"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.num_minibatches > self.num_envs * self.num_steps:
+            raise UserError(
+                f"num_minibatches {self.num_minibatches} exceeds the {self.num_envs * self.num_steps} steps of a "
+                "rollout: use fewer minibatches or more --num-steps"
+            )
+        for name in ("gamma", "gae_lambda"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise UserError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("learning_rate", "clip_coef", "max_grad_norm", "init_beta"):
+            if not getattr(self, name) > 0:
+                raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("ent_coef", "vf_coef"):
+            if not getattr(self, name) >= 0:
+                raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.value_init not in ("critic", "zero"):
+            raise UserError(f"value_init must be critic or zero, got {self.value_init!r}")
+        if self.vector not in ("auto", "sync", "process"):
+            raise UserError(f"vector must be auto, sync or process, got {self.vector!r}")
+
+    @property
+    def batch_size(self) -> int:
+        return self.num_envs * self.num_steps
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.num_minibatches
+
+
+# --- the math --------------------------------------------------------------------------------------
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    dones: torch.Tensor,
+    next_value: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over a rollout of N environments.
+
+    rewards, values: (T, N) float32; dones: (T, N) float32, 1 where step t ended its episode (the
+    observation after it belongs to a new episode); next_value: (N,) V of the observation after step T-1.
+    `delta_t = r_t + gamma * V_{t+1} * (1 - d_t) - V_t`, `A_t = delta_t + gamma * lam * (1 - d_t) * A_{t+1}`.
+    Returns (advantages, returns = advantages + values), both (T, N).
+    """
+    advantages = torch.zeros_like(rewards)
+    last = torch.zeros_like(next_value)
+    for t in reversed(range(rewards.shape[0])):
+        next_values = next_value if t == rewards.shape[0] - 1 else values[t + 1]
+        not_done = 1.0 - dones[t]
+        delta = rewards[t] + gamma * next_values * not_done - values[t]
+        last = delta + gamma * lam * not_done * last
+        advantages[t] = last
+    return advantages, advantages + values
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The clipped surrogate loss of a minibatch and its diagnostics."""
+
+    loss: torch.Tensor  # () differentiable
+    clipfrac: float  # share of rows whose ratio left [1 - clip, 1 + clip]
+    approx_kl: float  # k3 estimate of KL(pi_old || pi_new): mean((r - 1) - log r)
+
+
+def clipped_policy_loss(
+    new_logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip: float
+) -> PolicyLoss:
+    """PPO's clipped objective, as a loss: `mean(max(-A r, -A clip(r, 1 - clip, 1 + clip)))`, r = pi_new / pi_old.
+
+    new_logp, old_logp, advantages: (B,) float32 (log-probabilities of the actions taken).
+    """
+    log_ratio = new_logp - old_logp
+    ratio = log_ratio.exp()
+    loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip, 1.0 + clip)).mean()
+    with torch.no_grad():
+        clipfrac = float(((ratio - 1.0).abs() > clip).float().mean())
+        approx_kl = float(((ratio - 1.0) - log_ratio).mean())
+    return PolicyLoss(loss, clipfrac, approx_kl)
+
+
+def expected_value(logp: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """V(s) = sum_a pi(a|s) Q(s, a) over valid candidates: logp, q (B, C) (-inf where masked), mask (B, C) -> (B,)."""
+    return torch.where(mask, logp.exp() * q, torch.zeros_like(q)).sum(-1)
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """(x - mean) / (std + 1e-8); a single row is left centred only."""
+    if x.numel() < 2:
+        return x - x.mean()
+    return (x - x.mean()) / (x.std() + 1e-8)
+
+
+# --- the model -------------------------------------------------------------------------------------
+
+
+class ActorCritic(nn.Module):
+    """Policy logits from a scoring network (`q_values / tau`), and V(s) from an MLP over phi(s)."""
+
+    def __init__(self, policy_head: nn.Module, tau: float, dim: int, hidden: int, value_init: str):
+        super().__init__()
+        self.policy_head = policy_head
+        self.tau = tau
+        self.value_mlp = nn.Sequential(
+            nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, 1)
+        )
+        self.residual = value_init == "critic"
+        if self.residual:  # V starts as V_ref exactly; the MLP learns the correction
+            nn.init.zeros_(self.value_mlp[-1].weight)
+            nn.init.zeros_(self.value_mlp[-1].bias)
+        self.scale = math.sqrt(dim)  # unit embeddings have coordinates ~1/sqrt(D)
+
+    def logits(self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """state (B, D), cands (B, C, D), mask (B, C) -> (B, C), -inf where masked."""
+        return self.policy_head.q_values(state, cands, mask) / self.tau
+
+    def value(self, state: torch.Tensor, ref_value: torch.Tensor) -> torch.Tensor:
+        """state (B, D), ref_value (B,) = V_ref(s) -> (B,)."""
+        v = self.value_mlp(state * self.scale).squeeze(-1)  # (B, 1) -> (B,)
+        return v + ref_value if self.residual else v
+
+
+def fresh_like(network: nn.Module, seed: int) -> nn.Module:
+    """A network of the same architecture with new weights (the learner's own init), buffers kept
+    (a vocabulary network's action embeddings are data, not weights)."""
+    from offline_agent.learn.networks import build_network
+
+    torch.manual_seed(seed)
+    fresh = build_network(network.config())
+    params = {name for name, _ in fresh.named_parameters()}
+    state = {k: v for k, v in network.state_dict().items() if k not in params}
+    fresh.load_state_dict({**fresh.state_dict(), **state})
+    return fresh
+
+
+# --- from observations to tensors --------------------------------------------------------------------
+
+
+class Featurizer:
+    """Observations of N environments as tensors, rendered exactly as the offline policy renders states.
+
+    Keeps each environment's episode history (task, turns) and an in-memory text -> vector memo: candidate
+    texts and early states repeat a lot, and the encoder is the slowest thing in a rollout.
+    """
+
+    def __init__(self, reference: Any, num_envs: int, max_candidates: int):
+        from offline_agent.learn.policy import EpisodeHistory
+
+        self.reference = reference
+        self.histories = [EpisodeHistory() for _ in range(num_envs)]
+        self.max_candidates = max_candidates
+        self.dim = int(reference.encoder.dim)
+        self.memo: dict[str, np.ndarray] = {}
+        self.encoded = 0
+
+    def start(self, env: int, task: str | None) -> None:
+        from offline_agent.learn.policy import EpisodeHistory
+
+        self.histories[env] = EpisodeHistory(task)
+
+    def record(self, env: int, observation_text: str, action_text: str) -> None:
+        self.histories[env].turns.append((observation_text, action_text))
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """(len(texts), D) float32; each new text encoded alone (see the module docstring: determinism)."""
+        for text in dict.fromkeys(texts):
+            if text not in self.memo:
+                self.memo[text] = self.reference.encoder.encode([text])[0]
+                self.encoded += 1
+        return np.stack([self.memo[t] for t in texts])
+
+    def tensors(self, observations: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
+        """state (N, D), cands (N, C, D), mask (N, C) of N observations; candidate texts in `self.last_actions`."""
+        states = [self.reference.render(h, o["text"]) for h, o in zip(self.histories, observations, strict=True)]
+        self.last_actions = [[canonical_action(c) for c in o["candidates"]] for o in observations]
+        lengths = [len(c) for c in self.last_actions]
+        if max(lengths) > self.max_candidates:
+            raise UserError(
+                f"an observation offered {max(lengths)} candidates, more than the action space's "
+                f"{self.max_candidates}: the environment breaks its contract"
+            )
+        vectors = torch.from_numpy(self.embed(states + [t for c in self.last_actions for t in c]))
+        state = vectors[: len(states)]  # (N, D)
+        cands = torch.zeros(len(states), self.max_candidates, self.dim)  # (N, C, D)
+        mask = torch.zeros(len(states), self.max_candidates, dtype=torch.bool)  # (N, C)
+        offset = len(states)
+        for i, n in enumerate(lengths):
+            cands[i, :n] = vectors[offset : offset + n]
+            mask[i, :n] = True
+            offset += n
+        return state, cands, mask
+
+
+# --- the trainer -------------------------------------------------------------------------------------
+
+
+class PPOTrainer:
+    """Fine-tunes a copy of `reference.network` in `env_spec`; `train_iteration()` runs one iteration.
+
+    `reference` is a loaded `offline_agent.learn.policy.Policy` (network, encoder, renderer, tau).
+    Everything a resume needs is in `model`, `optimizer`, `kl_controller`, `generator`, `iteration`
+    and `env_steps` (see `finetune.py`).
+    """
+
+    def __init__(self, reference: Any, env_spec: str, config: PPOConfig, safety: SafetyFilter | None = None):
+        self.config = c = config
+        self.env_spec = env_spec
+        self.safety = safety or SafetyFilter()
+        self.device = torch.device(c.device)
+        self.reference = reference
+        self.reference_net = reference.network.to(self.device).eval().requires_grad_(False)
+        self.tau = float(reference.tau)
+        head = fresh_like(reference.network, c.seed) if c.from_scratch else copy.deepcopy(reference.network)
+        torch.manual_seed(c.seed)  # the value MLP's init
+        self.model = ActorCritic(
+            head.train().requires_grad_(True), self.tau, int(reference.encoder.dim), c.value_hidden, c.value_init
+        ).to(self.device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=c.learning_rate, eps=1e-5)
+        self.kl_controller: FixedKLController | AdaptiveKLController = (
+            FixedKLController(c.beta)
+            if c.beta is not None
+            else AdaptiveKLController(c.init_beta, c.target_kl, c.kl_horizon)
+        )
+        self.generator = torch.Generator().manual_seed(c.seed)
+        self.iteration = 0
+        self.env_steps = 0
+        self.envs = make_vector_env(env_spec, c.num_envs, self.safety.specs, c.vector)
+        self.featurizer = Featurizer(reference, c.num_envs, self.envs.max_candidates)
+        T, N, C, D = c.num_steps, c.num_envs, self.envs.max_candidates, int(reference.encoder.dim)
+        # Rollout storage, preallocated with its shape.
+        self.obs_state = torch.zeros(T, N, D)
+        self.obs_cands = torch.zeros(T, N, C, D)
+        self.masks = torch.zeros(T, N, C, dtype=torch.bool)
+        self.actions = torch.zeros(T, N, dtype=torch.long)
+        self.logprobs = torch.zeros(T, N)
+        self.values = torch.zeros(T, N)
+        self.ref_values = torch.zeros(T, N)
+        self.rewards = torch.zeros(T, N)  # r - beta * KL
+        self.scores = torch.zeros(T, N)  # r, the environment's reward
+        self.kls = torch.zeros(T, N)
+        self.dones = torch.zeros(T, N)
+
+    def close(self) -> None:
+        self.envs.close()
+
+    def env_seeds(self, iteration: int) -> list[int]:
+        """Reset seeds of the environments at the start of `iteration`, a function of (seed, iteration) only."""
+        seeds = np.random.SeedSequence([self.config.seed, iteration]).generate_state(self.config.num_envs)
+        return [int(s) for s in seeds]
+
+    @torch.no_grad()
+    def policy_step(self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Sample actions and everything the rollout stores about them, for N observations."""
+        dev = self.device
+        state, cands, mask = state.to(dev), cands.to(dev), mask.to(dev)
+        logp = masked_log_softmax(self.model.logits(state, cands, mask), mask)  # (N, C)
+        ref_q = self.reference_net.q_values(state, cands, mask)  # (N, C)
+        ref_logp = masked_log_softmax(ref_q / self.tau, mask)
+        ref_value = expected_value(ref_logp, ref_q, mask)  # (N,)
+        action = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(1)  # (N,)
+        return {
+            "action": action,
+            "logprob": logp.gather(1, action.to(dev)[:, None]).squeeze(1).cpu(),
+            "value": self.model.value(state, ref_value).cpu(),
+            "ref_value": ref_value.cpu(),
+            "kl": exact_kl(logp, ref_logp, mask).cpu(),
+        }
+
+    def train_iteration(self) -> dict[str, float]:
+        """One iteration: rollout, advantages, update; returns its metrics row."""
+        c, start = self.config, time.perf_counter()
+        if c.anneal_lr:
+            for group in self.optimizer.param_groups:
+                group["lr"] = c.learning_rate * (1.0 - self.iteration / c.iterations)
+        beta = self.kl_controller.beta
+        stats = self.collect_rollout(beta)
+        with torch.no_grad():
+            state, cands, mask = self.featurizer.tensors(self.next_observations)
+            ref_q = self.reference_net.q_values(state, cands, mask)
+            ref_value = expected_value(masked_log_softmax(ref_q / self.tau, mask), ref_q, mask)
+            next_value = self.model.value(state, ref_value)
+        advantages, returns = gae(self.rewards, self.values, self.dones, next_value, c.gamma, c.gae_lambda)
+        update = self.update(advantages, returns)
+        mean_kl = float(self.kls.mean())
+        self.kl_controller.update(mean_kl, c.batch_size)
+        self.iteration += 1
+        self.env_steps += c.batch_size
+        return {
+            "iteration": self.iteration,
+            "env_steps": self.env_steps,
+            "objective/kl": mean_kl,
+            "objective/beta": beta,
+            "objective/non_score_reward": float((-beta * self.kls).mean()),
+            "objective/score": float(self.scores.mean()),
+            **update,
+            **stats,
+            "time/steps_per_second": c.batch_size / (time.perf_counter() - start),
+        }
+
+    def collect_rollout(self, beta: float) -> dict[str, float]:
+        """Fill the storage with `num_steps` steps of each environment; returns episode and safety statistics."""
+        c, f = self.config, self.featurizer
+        observations, reset_infos = self.envs.reset(self.env_seeds(self.iteration))
+        blocked: dict[str, int] = dict.fromkeys(self.safety_metric_names(), 0)
+        for i, info in enumerate(reset_infos):
+            f.start(i, _task_of(info, observations[i]))
+            _count_blocked(blocked, info)
+        running_return = np.zeros(c.num_envs)
+        running_length = np.zeros(c.num_envs, dtype=np.int64)
+        successes, episode_returns, episode_lengths, safety_truncated = [], [], [], 0
+        for t in range(c.num_steps):
+            state, cands, mask = f.tensors(observations)
+            out = self.policy_step(state, cands, mask)
+            self.obs_state[t], self.obs_cands[t], self.masks[t] = state, cands, mask
+            self.actions[t], self.logprobs[t], self.values[t] = out["action"], out["logprob"], out["value"]
+            self.ref_values[t], self.kls[t] = out["ref_value"], out["kl"]
+            actions = out["action"].tolist()
+            step = self.envs.step(actions)
+            done = step.terminated | step.truncated
+            self.scores[t] = torch.as_tensor(step.rewards, dtype=torch.float32)
+            self.rewards[t] = self.scores[t] - beta * self.kls[t]
+            self.dones[t] = torch.as_tensor(done, dtype=torch.float32)
+            running_return += step.rewards
+            running_length += 1
+            for i in range(c.num_envs):
+                _count_blocked(blocked, step.infos[i])
+                if not done[i]:
+                    f.record(i, observations[i]["text"], f.last_actions[i][actions[i]])
+                    continue
+                successes.append(bool(step.infos[i].get("success", False)))
+                episode_returns.append(float(running_return[i]))
+                episode_lengths.append(int(running_length[i]))
+                safety_truncated += step.infos[i].get("safety") == ALL_FORBIDDEN
+                running_return[i], running_length[i] = 0.0, 0
+                f.start(i, _task_of(step.reset_infos[i], step.observations[i]))
+                _count_blocked(blocked, step.reset_infos[i])
+            observations = step.observations
+        self.next_observations = observations
+        nan = float("nan")
+        return {
+            "charts/success_rate": float(np.mean(successes)) if successes else nan,
+            "charts/episode_return": float(np.mean(episode_returns)) if episode_returns else nan,
+            "charts/episode_length": float(np.mean(episode_lengths)) if episode_lengths else nan,
+            "charts/episodes": float(len(successes)),
+            "safety/blocked": float(sum(blocked.values())) if blocked else 0.0,
+            "safety/truncated": float(safety_truncated),
+            **{f"safety/blocked/{name}": float(n) for name, n in blocked.items()},
+        }
+
+    def safety_metric_names(self) -> list[str]:
+        names = []
+        for rule in self.safety.rules:
+            tools = getattr(rule, "tools", None)
+            names += [f"deny:{t}" for t in sorted(tools)] if tools is not None else [rule.spec]
+        return names
+
+    def update(self, advantages: torch.Tensor, returns: torch.Tensor) -> dict[str, float]:
+        """`update_epochs` passes of clipped-PPO minibatch steps over the flattened rollout."""
+        c, dev = self.config, self.device
+        C, D = self.obs_cands.shape[2], self.obs_cands.shape[3]
+        b_state = self.obs_state.reshape(-1, D).to(dev)  # (T, N, D) -> (B, D)
+        b_cands = self.obs_cands.reshape(-1, C, D).to(dev)  # (T, N, C, D) -> (B, C, D)
+        b_mask = self.masks.reshape(-1, C).to(dev)  # (T, N, C) -> (B, C)
+        b_actions = self.actions.reshape(-1).to(dev)  # (T, N) -> (B,)
+        b_logprobs = self.logprobs.reshape(-1).to(dev)
+        b_ref_values = self.ref_values.reshape(-1).to(dev)
+        b_advantages = advantages.reshape(-1).to(dev)
+        b_returns = returns.reshape(-1).to(dev)
+        names = ("loss/policy", "loss/value", "policy/entropy", "policy/clipfrac", "policy/approx_kl")
+        sums = dict.fromkeys(names, 0.0)
+        n_updates = 0
+        self.model.train()
+        for _ in range(c.update_epochs):
+            order = torch.randperm(c.batch_size, generator=self.generator)
+            for start in range(0, c.batch_size - c.minibatch_size + 1, c.minibatch_size):
+                mb = order[start : start + c.minibatch_size].to(dev)
+                mb_mask = b_mask[mb]
+                logp = masked_log_softmax(self.model.logits(b_state[mb], b_cands[mb], mb_mask), mb_mask)  # (b, C)
+                new_logp = logp.gather(1, b_actions[mb][:, None]).squeeze(1)  # (b,)
+                mb_advantages = normalize(b_advantages[mb]) if c.norm_adv else b_advantages[mb]
+                pg = clipped_policy_loss(new_logp, b_logprobs[mb], mb_advantages, c.clip_coef)
+                ent = entropy(logp, mb_mask).mean()
+                v_loss = 0.5 * (self.model.value(b_state[mb], b_ref_values[mb]) - b_returns[mb]).pow(2).mean()
+                loss = pg.loss - c.ent_coef * ent + c.vf_coef * v_loss
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
+                self.optimizer.step()
+                values = (pg.loss.item(), v_loss.item(), ent.item(), pg.clipfrac, pg.approx_kl)
+                for key, value in zip(names, values, strict=True):
+                    sums[key] += value
+                n_updates += 1
+        return {key: value / n_updates for key, value in sums.items()}
+
+
+def _task_of(info: dict[str, Any] | None, observation: dict[str, Any]) -> str:
+    # The fallback chain of `simulate` and `evaluate`, so that states render as in the logs and evaluation.
+    return (info or {}).get("task") or observation["text"]
+
+
+def _count_blocked(blocked: dict[str, int], info: dict[str, Any] | None) -> None:
+    for name, n in ((info or {}).get("safety_blocked") or {}).items():
+        blocked[name] = blocked.get(name, 0) + int(n)

@@ -1,0 +1,177 @@
+"""PPO + KL math against hand-computed numbers, and the fine-tuning policy at iteration 0 against the offline one."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+
+from offline_agent.errors import UserError
+from offline_agent.online.kl import AdaptiveKLController, FixedKLController, entropy, exact_kl, masked_log_softmax
+from offline_agent.online.ppo import PPOConfig, PPOTrainer, clipped_policy_loss, expected_value, gae
+
+# --- exact values ---------------------------------------------------------------------------------------
+
+
+def test_gae_matches_a_hand_computed_rollout_with_a_done_in_the_middle():
+    # env 0 ends an episode at t=1, so t=1 must not look at t=2's value; env 1 runs through.
+    rewards = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 1.0]])  # (T=3, N=2)
+    values = torch.tensor([[0.5, 0.0], [1.0, 0.0], [1.5, 0.0]])
+    dones = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
+    next_value = torch.tensor([2.0, 0.0])
+    advantages, returns = gae(rewards, values, dones, next_value, gamma=0.5, lam=0.5)
+    # env 0: t=2 delta = 3 + .5*2 - 1.5 = 2.5; t=1 delta = 2 - 1 = 1 (done: no bootstrap, no carry);
+    #        t=0 delta = 1 + .5*1 - .5 = 1, A = 1 + .25*1 = 1.25
+    # env 1: t=2 A = 1; t=1 A = .25 * 1; t=0 A = .25 * .25
+    expected = torch.tensor([[1.25, 0.0625], [1.0, 0.25], [2.5, 1.0]])
+    torch.testing.assert_close(advantages, expected)
+    torch.testing.assert_close(returns, expected + values)
+
+
+def test_clipped_policy_loss_on_hand_built_ratios():
+    old_logp = torch.zeros(3)
+    new_logp = torch.log(torch.tensor([1.5, 0.5, 1.0]))  # ratios 1.5, 0.5, 1
+    advantages = torch.tensor([1.0, 1.0, -2.0])
+    out = clipped_policy_loss(new_logp, old_logp, advantages, clip=0.2)
+    # rows: max(-1.5, -1.2) = -1.2;  max(-0.5, -0.8) = -0.5;  max(2, 2) = 2
+    assert out.loss.item() == pytest.approx((-1.2 - 0.5 + 2.0) / 3)
+    assert out.clipfrac == pytest.approx(2 / 3)
+    assert out.approx_kl == pytest.approx(((0.5 - math.log(1.5)) + (-0.5 - math.log(0.5))) / 3)
+
+
+def test_clipped_loss_gives_no_gradient_beyond_the_clip():
+    new_logp = torch.log(torch.tensor([1.5])).requires_grad_(True)
+    clipped_policy_loss(new_logp, torch.zeros(1), torch.tensor([1.0]), clip=0.2).loss.backward()
+    assert new_logp.grad.item() == 0.0
+
+
+def test_exact_kl_and_entropy_over_masked_candidates():
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.25, 1.0], [0.7, 0.3, 1.0, 1.0]]))
+    # The padding slots hold large values: a KL that forgot the mask would be far off.
+    ref_logits = torch.tensor([[0.0, 0.0, 0.0, 50.0], [math.log(0.7), math.log(0.3), 50.0, 50.0]])
+    logp, ref_logp = masked_log_softmax(logits, mask), masked_log_softmax(ref_logits, mask)
+    kl = exact_kl(logp, ref_logp, mask)
+    expected_row0 = 0.5 * math.log(0.5 * 3) + 2 * 0.25 * math.log(0.25 * 3)
+    torch.testing.assert_close(kl, torch.tensor([expected_row0, 0.0]), atol=1e-6, rtol=0)
+    expected_entropy = [
+        -(0.5 * math.log(0.5) + 2 * 0.25 * math.log(0.25)),
+        -(0.7 * math.log(0.7) + 0.3 * math.log(0.3)),
+    ]
+    torch.testing.assert_close(entropy(logp, mask), torch.tensor(expected_entropy))
+    assert not torch.isnan(kl).any()
+
+
+def test_expected_value_ignores_masked_slots():
+    mask = torch.tensor([[True, True, False]])
+    q = torch.tensor([[1.0, 3.0, float("-inf")]])
+    logp = masked_log_softmax(torch.tensor([[0.0, 0.0, 0.0]]), mask)
+    torch.testing.assert_close(expected_value(logp, q, mask), torch.tensor([2.0]))
+
+
+@pytest.mark.parametrize(("kl", "factor"), [(0.10, 1.02), (0.055, 1.01), (0.025, 0.98), (0.05, 1.0)])
+def test_adaptive_controller_moves_beta_toward_the_target(kl, factor):
+    controller = AdaptiveKLController(beta=0.1, target=0.05, horizon=10_000)
+    controller.update(kl, n_steps=1000)  # e = clip(kl / target - 1, -.2, .2); beta *= 1 + e * 1000 / 10000
+    assert controller.beta == pytest.approx(0.1 * factor)
+
+
+def test_adaptive_controller_keeps_moving_while_kl_stays_off_target_and_fixed_beta_never_moves():
+    controller, fixed = AdaptiveKLController(0.1, 0.05), FixedKLController(0.1)
+    for _ in range(10):
+        controller.update(1.0, 5000)
+        fixed.update(1.0, 5000)
+    assert controller.beta == pytest.approx(0.1 * 1.1**10)
+    assert fixed.beta == 0.1
+
+
+# --- config ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"target_kl": 0.0}, "--target-kl must be > 0"),
+        ({"target_kl": -1.0}, "--target-kl must be > 0"),
+        ({"beta": 0.1, "target_kl": 0.05}, "exclude each other"),
+        ({"beta": -0.1}, "--beta must be >= 0"),
+        ({"num_envs": 0}, "num-envs must be >= 1"),
+        ({"gamma": 1.5}, "gamma must be in"),
+        ({"num_minibatches": 100, "num_envs": 1, "num_steps": 8}, "exceeds the 8 steps"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_fix(settings, message):
+    with pytest.raises(UserError, match=message):
+        PPOConfig(**settings)
+
+
+def test_config_defaults_to_the_adaptive_controller():
+    assert PPOConfig().target_kl == 0.05
+    assert PPOConfig(beta=0.0).target_kl is None
+
+
+# --- the policy at iteration 0 ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from online_envs import tiny_checkpoint, tiny_encoder_folder
+
+    root = tmp_path_factory.mktemp("tiny")
+    return tiny_checkpoint(root / "run", tiny_encoder_folder(root / "encoder"))
+
+
+def _trainer(run, **settings):
+    from offline_agent.learn.policy import Policy
+
+    config = PPOConfig(num_envs=2, num_steps=16, vector="sync", **settings)
+    return PPOTrainer(Policy.load(run), "online_envs:make_widget", config)
+
+
+def test_at_iteration_zero_the_policy_is_the_offline_policy(tiny_run):
+    torch.set_num_threads(1)
+    trainer = _trainer(tiny_run)
+    try:
+        observations, infos = trainer.envs.reset(trainer.env_seeds(0))
+        for i, info in enumerate(infos):
+            trainer.featurizer.start(i, info["task"])
+        state, cands, mask = trainer.featurizer.tensors(observations)
+        with torch.no_grad():
+            probs = torch.softmax(trainer.model.logits(state, cands, mask), -1)
+        reference = trainer.reference
+        for i, observation in enumerate(observations):
+            text = reference.render(trainer.featurizer.histories[i], observation["text"])
+            expected = reference.probabilities(text, observation["candidates"])
+            n = len(observation["candidates"])
+            torch.testing.assert_close(probs[i, :n], torch.from_numpy(expected), atol=1e-6, rtol=0)
+        # The first rollout samples from the untouched copy: its KL to the reference is exactly zero.
+        row = trainer.train_iteration()
+        assert row["objective/kl"] == 0.0
+        assert row["objective/non_score_reward"] == 0.0
+        # ... and the update that follows moves every trainable parameter of the policy and value heads (the
+        # Q network's value is a min over twin heads, so a head that is never the min gets no gradient: each
+        # parameter has to change in at least one head).
+        original = dict(reference.network.named_parameters())
+        changed: dict[str, bool] = {}
+        for name, param in trainer.model.policy_head.named_parameters():
+            key = re.sub(r"^heads\.\d+\.", "heads.*.", name)
+            changed[key] = changed.get(key, False) or not torch.equal(param, original[name])
+        assert all(changed.values()), [k for k, v in changed.items() if not v]
+        assert all(p.abs().sum() > 0 for p in trainer.model.value_mlp[-1].parameters())
+        second = trainer.train_iteration()
+        assert second["objective/kl"] > 0.0
+    finally:
+        trainer.close()
+
+
+def test_from_scratch_has_the_offline_architecture_and_new_weights(tiny_run):
+    trainer = _trainer(tiny_run, from_scratch=True, beta=0.0, seed=1)  # the checkpoint was made with seed 0
+    try:
+        fresh = dict(trainer.model.policy_head.named_parameters())
+        for name, param in trainer.reference.network.named_parameters():
+            assert fresh[name].shape == param.shape
+            assert not torch.equal(fresh[name], param)
+    finally:
+        trainer.close()
