@@ -92,6 +92,15 @@ def make_bad_observation() -> gym.Env:
     return Bad()
 
 
+def no_apologies(observation_text: str, action_text: str) -> bool:
+    """A safety judge: apologising is not allowed while the widget is broken."""
+    return not (action_text.startswith("sorry") and "broken" in observation_text)
+
+
+def judge_says_maybe(observation_text: str, action_text: str) -> str:
+    return "maybe"
+
+
 # --- a tiny encoder and checkpoint ----------------------------------------------------------------------
 
 _WORDS = (

@@ -175,3 +175,12 @@ def test_from_scratch_has_the_offline_architecture_and_new_weights(tiny_run):
             assert not torch.equal(fresh[name], param)
     finally:
         trainer.close()
+
+
+def test_kl_and_entropy_gradients_are_finite_with_padding_slots():
+    mask = torch.tensor([[True, True, False]])
+    logits = torch.tensor([[0.3, -0.2, 0.0]], requires_grad=True)
+    logp = masked_log_softmax(logits, mask)
+    ref_logp = masked_log_softmax(torch.tensor([[0.0, 0.0, 0.0]]), mask)
+    (exact_kl(logp, ref_logp, mask) + entropy(logp, mask)).sum().backward()
+    assert torch.isfinite(logits.grad).all()

@@ -33,16 +33,17 @@ def exact_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> 
     """KL(pi || pi_ref) per row, summed over the valid candidates.
 
     logp, ref_logp: (B, C) log-probabilities (-inf where masked); mask: (B, C) bool -> (B,) >= 0.
-    Masked slots contribute 0 (`where`, not multiplication: 0 * (-inf - -inf) would be nan).
+    Masked slots are zeroed *before* any product: 0 * -inf is nan, in the value and in the gradient
+    (`torch.where` after the product would still send nan gradients back).
     """
-    p = logp.exp()
-    terms = torch.where(mask, p * (logp - ref_logp), torch.zeros_like(logp))  # (B, C)
-    return terms.sum(-1)
+    logp, ref_logp = logp.masked_fill(~mask, 0.0), ref_logp.masked_fill(~mask, 0.0)
+    return (mask * logp.exp() * (logp - ref_logp)).sum(-1)
 
 
 def entropy(logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Entropy of pi per row: logp (B, C) (-inf where masked), mask (B, C) bool -> (B,)."""
-    return -torch.where(mask, logp.exp() * logp, torch.zeros_like(logp)).sum(-1)
+    """Entropy of pi per row: logp (B, C) (-inf where masked), mask (B, C) bool -> (B,); masked as in `exact_kl`."""
+    logp = logp.masked_fill(~mask, 0.0)
+    return -(mask * logp.exp() * logp).sum(-1)
 
 
 @dataclass

@@ -213,7 +213,7 @@ def clipped_policy_loss(
 
 def expected_value(logp: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """V(s) = sum_a pi(a|s) Q(s, a) over valid candidates: logp, q (B, C) (-inf where masked), mask (B, C) -> (B,)."""
-    return torch.where(mask, logp.exp() * q, torch.zeros_like(q)).sum(-1)
+    return (mask * logp.masked_fill(~mask, 0.0).exp() * q.masked_fill(~mask, 0.0)).sum(-1)
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:

@@ -239,7 +239,12 @@ class SafetyWrapper(gym.Wrapper):
         return observation, reward, terminated, truncated, info
 
     def _filter(self, observation: dict[str, Any]) -> tuple[dict[str, Any], dict[str, int]]:
-        candidates = observation["candidates"]
+        candidates = observation.get("candidates") if isinstance(observation, dict) else None
+        if not isinstance(candidates, list | tuple) or not isinstance(observation.get("text"), str):
+            raise UserError(
+                f"environment {type(self.env.unwrapped).__name__} returned {str(observation)[:80]!r}: the safety "
+                "filter expected an observation {'text': str, 'candidates': [...]}"
+            )
         self._text = observation["text"]
         allowed, blocked = self.safety.check(self._text, candidates)
         self._index = [i for i, ok in enumerate(allowed) if ok]

@@ -53,13 +53,30 @@ class VectorStep:
 
 
 def build_env(env_spec: str, safety_specs: Sequence[str] = ()) -> gym.Env:
-    """The environment of `env_spec` (contract-checked by `make_env`), behind the safety filter if one is given."""
-    from offline_agent.envs.loading import make_env
+    """The environment of `env_spec`, contract-checked, behind the safety filter if one is given.
+
+    `make_env` checks the contract by stepping a fresh environment once with candidate 0, which may be a
+    forbidden action; with a filter, the spec is resolved without that check and the *wrapped* environment
+    is checked instead, so not even the check executes a forbidden action.
+    """
+    from offline_agent.envs import loading
     from offline_agent.online.safety import SafetyFilter, SafetyWrapper
 
-    env = make_env(env_spec)
     safety = SafetyFilter.from_spec(safety_specs)
-    return SafetyWrapper(env, safety) if safety else env
+    if not safety:
+        return loading.make_env(env_spec)
+    import offline_agent.envs  # noqa: F401  (registers the built-in simulators)
+
+    spec = env_spec.strip()
+    if spec in gym.registry:
+        env = loading._build(spec, lambda: gym.make(spec))
+    elif ":" in spec:
+        env = loading._from_module(spec, {})
+    else:
+        return loading.make_env(env_spec)  # raises its "unknown environment" UserError
+    env = SafetyWrapper(env, safety)
+    loading.check_contract(env, name=spec)
+    return env
 
 
 def _checked(env_spec: str, where: str, observation: Any, done: bool) -> dict[str, Any]:

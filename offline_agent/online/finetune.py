@@ -1,0 +1,377 @@
+"""`finetune`: an offline checkpoint in, a fine-tuned run folder out (what `offline-agent finetune` runs).
+
+The run folder RUN2 holds
+
+    policy.safetensors, policy.json   the fine-tuned policy head, in the offline checkpoint's format (algo "ppo"):
+                                      `Policy.load(RUN2)` and `offline-agent evaluate RUN2` read it as they read
+                                      RUN; policy.json also keeps the safety rules ("safety") it was tuned under
+    metrics.parquet                   one row per iteration (names in `ppo.METRICS`), readable with DuckDB
+    curves.png                        success rate, return, KL and beta against iterations
+    resume.safetensors                the resume state (below); written every `checkpoint_every` iterations
+    finetune.json                     source run, environment, config, safety rules, final metrics, time
+
+Resume state: one safetensors file, replaced atomically (tmp + os.replace), with
+the model (policy and value heads), the Adam state, every random-number state
+(torch's global RNG and the trainer's generator as uint8 tensors, numpy's and
+Python's global RNGs) and, in its JSON metadata, the iteration, env steps, the
+KL controller and the settings that must not change across a resume. Nothing is
+unpickled. Environments need no saved state: they are re-seeded from (seed,
+iteration) at every iteration start. The run is made deterministic (torch's
+deterministic algorithms, a fixed thread count), so `--resume` after a kill
+finishes with the same parameters, bit for bit, as a run that was never
+interrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import polars as pl
+import torch
+from safetensors.torch import load_file, save_file
+
+from offline_agent.errors import UserError
+from offline_agent.online.ppo import METRICS, PPOConfig, PPOTrainer
+from offline_agent.online.safety import SafetyFilter
+
+STATE_FILE = "resume.safetensors"
+METRICS_FILE = "metrics.parquet"
+CURVES_FILE = "curves.png"
+SUMMARY_FILE = "finetune.json"
+STATE_FORMAT = "offline-agent-finetune-state"
+#: Config fields a resume may change: they do not enter the computation.
+RESUMABLE_CHANGES = ("iterations", "vector")
+
+#: Called after every iteration with its metrics row.
+OnIteration = Callable[[dict[str, float]], None]
+
+
+@dataclass(frozen=True)
+class FinetuneResult:
+    run_dir: Path
+    iterations: int
+    env_steps: int
+    seconds: float
+    final_metrics: dict[str, float]
+    resumed_from: int | None  # the iteration a resumed run started after
+
+
+def finetune(
+    run: str | Path,
+    env: str,
+    out: str | Path,
+    config: PPOConfig | None = None,
+    *,
+    safety: str | Sequence[str] | None = None,
+    resume: bool = False,
+    overwrite: bool = False,
+    checkpoint_every: int = 5,
+    encoder: Any = None,
+    progress: bool = False,
+    on_iteration: OnIteration | None = None,
+) -> FinetuneResult:
+    """Fine-tune the policy of checkpoint `run` in environment `env` with PPO + KL, into run folder `out`.
+
+    `safety` is a safety-filter spec (see `offline_agent.online.safety`); `resume` continues `out` from its
+    last checkpoint (the other arguments must match the interrupted run's, except `config.iterations`).
+    """
+    from offline_agent.learn.policy import CONFIG_FILE, Policy, checkpoint_dir, save_checkpoint
+
+    config = config or PPOConfig()
+    if checkpoint_every < 1:
+        raise UserError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
+    source = checkpoint_dir(run)
+    out = Path(out)
+    if out.resolve() == source.resolve():
+        raise UserError(f"--out {out} is the checkpoint being fine-tuned: choose another folder")
+    safety_filter = SafetyFilter.from_spec(safety)
+    state_path = out / STATE_FILE
+    if resume and not state_path.is_file():
+        raise UserError(f"--resume: {out} holds no fine-tuning checkpoint ({STATE_FILE}); start without --resume")
+    if not resume and not overwrite and (state_path.exists() or (out / CONFIG_FILE).exists()):
+        raise UserError(f"{out} already holds a run: pass --resume to continue it, --overwrite, or another --out")
+
+    if isinstance(encoder, str | Path):  # a folder: load it with the checkpoint's max_length, so ids compare
+        from offline_agent.embed import TextEncoder
+
+        wanted = _read_json(source / CONFIG_FILE).get("encoder", {})
+        encoder = TextEncoder(str(encoder), device=config.device, max_length=int(wanted.get("max_length") or 256))
+    reference = Policy.load(source, encoder=encoder, device=config.device)
+    if reference.meta.get("network", {}).get("kind") is None:
+        raise UserError(f"{source} has no network description in policy.json: retrain it with this offline-agent")
+    identity = {
+        "format": STATE_FORMAT,
+        "source": str(source.resolve()),
+        "source_weights_sha256": _sha256(source / "policy.safetensors"),
+        "encoder_id": reference.encoder.id,
+        "env": env,
+        "safety": safety_filter.specs,
+        "config": asdict(config),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, float]] = []
+    resumed_from = None
+    start = time.perf_counter()
+    with deterministic_torch(config.torch_threads):
+        # The global generators too: a user's env or judge that draws from `random` or `np.random` in this
+        # process is then reproducible, and resumable since their states are checkpointed.
+        random.seed(config.seed)
+        np.random.seed(config.seed % 2**32)
+        trainer = PPOTrainer(reference, env, config, safety_filter)
+        try:
+            if resume:
+                resumed_from = load_state(state_path, trainer, identity)
+                if (out / METRICS_FILE).is_file():
+                    rows = pl.read_parquet(out / METRICS_FILE).filter(pl.col("iteration") <= resumed_from).to_dicts()
+            meta = _policy_meta(reference, env, config, safety_filter, source)
+            with _progress(progress, config.iterations, trainer.iteration) as advance:
+                while trainer.iteration < config.iterations:
+                    row = trainer.train_iteration()
+                    rows.append(row)
+                    write_metrics(out, rows)
+                    if on_iteration is not None:
+                        on_iteration(row)
+                    advance(row)
+                    if trainer.iteration % checkpoint_every == 0 or trainer.iteration == config.iterations:
+                        save_checkpoint(out, trainer.model.policy_head, meta)
+                        save_state(state_path, trainer, identity)
+        finally:
+            trainer.close()
+    seconds = time.perf_counter() - start
+    frame = write_metrics(out, rows)
+    plot_curves(frame, out / CURVES_FILE, title=f"PPO fine-tuning of {source.name} in {env}")
+    final = {k: v for k, v in (rows[-1] if rows else {}).items() if v is not None}
+    summary = {
+        "source": str(source),
+        "env": env,
+        "safety": safety_filter.specs,
+        "config": asdict(config),
+        "iterations": trainer.iteration,
+        "env_steps": trainer.env_steps,
+        "seconds_this_process": round(seconds, 3),
+        "resumed_from": resumed_from,
+        "texts_encoded_this_process": trainer.featurizer.encoded,
+        "final_metrics": final,
+    }
+    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return FinetuneResult(out, trainer.iteration, trainer.env_steps, seconds, final, resumed_from)
+
+
+def _policy_meta(
+    reference: Any, env: str, config: PPOConfig, safety: SafetyFilter, source: Path
+) -> dict[str, Any]:
+    """policy.json of the fine-tuned policy: the reference's (encoder, renderer, tau) plus where it came from."""
+    meta = {k: v for k, v in reference.meta.items() if k not in ("format", "format_version", "network")}
+    meta.update(
+        algo="ppo",
+        finetuned_from={"path": str(source), "algo": reference.meta.get("algo")},
+        env=env,
+        safety=safety.specs,
+        config=asdict(config),
+    )
+    return meta
+
+
+@contextmanager
+def deterministic_torch(threads: int) -> Iterator[None]:
+    """Deterministic kernels and a fixed thread count for the duration (both are process-wide settings)."""
+    old_threads, old_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old_threads)
+        torch.use_deterministic_algorithms(old_deterministic)
+
+
+# --- resume state ------------------------------------------------------------------------------------
+
+
+def save_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> None:
+    """Everything `load_state` needs, in one safetensors file written to a temporary name and renamed."""
+    tensors = {f"model/{k}": v.detach().cpu().contiguous() for k, v in trainer.model.state_dict().items()}
+    optimizer = trainer.optimizer.state_dict()
+    for pid, slots in optimizer["state"].items():
+        for key, value in slots.items():
+            tensors[f"optimizer/{pid}/{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    tensors["rng/torch"] = torch.get_rng_state()
+    tensors["rng/generator"] = trainer.generator.get_state()
+    np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    tensors["rng/numpy"] = torch.from_numpy(np_keys.astype(np.int64))
+    py_version, py_state, py_gauss = random.getstate()
+    state = {
+        **identity,
+        "iteration": trainer.iteration,
+        "env_steps": trainer.env_steps,
+        "kl_controller": trainer.kl_controller.state(),
+        "optimizer_param_groups": optimizer["param_groups"],
+        "rng_numpy": [np_kind, int(np_pos), int(np_has_gauss), float(np_gauss)],
+        "rng_python": [py_version, list(py_state), py_gauss],
+    }
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    save_file(tensors, str(tmp), metadata={"state": json.dumps(state)})
+    os.replace(tmp, path)
+
+
+def load_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> int:
+    """Restore a trainer from `save_state`'s file; returns the iteration it had completed."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            state = json.loads((handle.metadata() or {})["state"])
+        tensors = load_file(str(path))
+    except Exception as exc:
+        raise UserError(f"{path} is not a readable fine-tuning checkpoint ({type(exc).__name__}): delete it") from None
+    _check_same_run(path, state, identity)
+    trainer.model.load_state_dict({k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")})
+    optimizer_state: dict[int, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optimizer/"):
+            _, pid, slot = key.split("/", 2)
+            optimizer_state.setdefault(int(pid), {})[slot] = value
+    trainer.optimizer.load_state_dict({"state": optimizer_state, "param_groups": state["optimizer_param_groups"]})
+    torch.set_rng_state(tensors["rng/torch"])
+    trainer.generator.set_state(tensors["rng/generator"])
+    np_kind, np_pos, np_has_gauss, np_gauss = state["rng_numpy"]
+    np.random.set_state((np_kind, tensors["rng/numpy"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
+    py_version, py_state, py_gauss = state["rng_python"]
+    random.setstate((py_version, tuple(py_state), py_gauss))
+    trainer.kl_controller.beta = float(state["kl_controller"]["beta"])
+    trainer.iteration = int(state["iteration"])
+    trainer.env_steps = int(state["env_steps"])
+    return trainer.iteration
+
+
+def _check_same_run(path: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
+    if saved.get("format") != STATE_FORMAT:
+        raise UserError(f"{path} is not an offline-agent fine-tuning checkpoint: delete it or choose another --out")
+    if saved["encoder_id"] != identity["encoder_id"]:
+        raise UserError(
+            f"{path.parent} was fine-tuned on embeddings of encoder {saved['encoder_id']}, but the checkpoint and "
+            f"encoder given now use {identity['encoder_id']}: resume with the same RUN and --encoder"
+        )
+    for key, flag in (("source_weights_sha256", "RUN"), ("env", "--env"), ("safety", "--safety")):
+        if saved[key] != identity[key]:
+            shown = "source" if key == "source_weights_sha256" else key  # a path reads better than a hash
+            raise UserError(
+                f"--resume: {flag} differs from the interrupted run's ({saved[shown]!r}, now {identity[shown]!r}, "
+                "or its weights changed): resume with the same arguments or start a new --out"
+            )
+    changed = sorted(
+        k for k, v in identity["config"].items() if k not in RESUMABLE_CHANGES and saved["config"].get(k) != v
+    )
+    if changed:
+        was = ", ".join(f"{k}={saved['config'].get(k)!r}" for k in changed)
+        now = ", ".join(f"{k}={identity['config'][k]!r}" for k in changed)
+        raise UserError(f"--resume with other settings than the interrupted run ({was}; now {now}): use the same ones")
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"cannot read {path} ({type(exc).__name__}): the checkpoint is damaged") from None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# --- metrics and plots -------------------------------------------------------------------------------
+
+
+def write_metrics(run_dir: Path, rows: list[dict[str, float]]) -> pl.DataFrame:
+    """RUN2/metrics.parquet, one row per iteration (temporary name, then renamed)."""
+    if rows:
+        frame = pl.from_dicts(rows, infer_schema_length=None)
+    else:
+        frame = pl.DataFrame(schema=dict.fromkeys(METRICS, pl.Float64))
+    frame = frame.with_columns(pl.col("iteration").cast(pl.Int64), pl.col("env_steps").cast(pl.Int64))
+    tmp = run_dir / f".{METRICS_FILE}.tmp-{uuid.uuid4().hex[:8]}"
+    frame.write_parquet(tmp)
+    os.replace(tmp, run_dir / METRICS_FILE)
+    return frame
+
+
+def plot_curves(frame: pl.DataFrame, path: Path, title: str = "") -> None:
+    """Success rate, episode return, KL to the reference and beta against iteration, in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("charts/success_rate", "success rate"),
+        ("charts/episode_return", "episode return"),
+        ("objective/kl", "KL(pi || pi_offline) per step"),
+        ("objective/beta", "beta"),
+    ]
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
+    for ax, (column, label) in zip(axes, panels, strict=True):
+        if column in frame.columns and frame.height:
+            ax.plot(frame["iteration"].to_list(), frame[column].to_list(), marker="o", markersize=3)
+        ax.set_title(label)
+        ax.set_xlabel("iteration")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    tmp = path.parent / f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}.png"
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+class _progress:
+    """A rich progress bar over iterations when asked for, else a no-op; `advance(row)` after each."""
+
+    def __init__(self, enabled: bool, total: int, done: int):
+        self.enabled, self.total, self.done = enabled, total, done
+
+    def __enter__(self) -> Callable[[dict[str, float]], None]:
+        if not self.enabled:
+            return lambda row: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self.bar.start()
+        task = self.bar.add_task("fine-tuning", total=self.total, completed=self.done)
+
+        def advance(row: dict[str, float]) -> None:
+            self.bar.update(
+                task,
+                advance=1,
+                description=(
+                    f"success {row['charts/success_rate']:.2f} kl {row['objective/kl']:.3f} "
+                    f"beta {row['objective/beta']:.3f}"
+                ),
+            )
+
+        return advance
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self.bar.stop()

@@ -1,0 +1,190 @@
+"""The fine-tuning job end to end: it learns, it writes a policy, a killed run resumes bit for bit, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import online_envs
+import polars as pl
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from offline_agent.cli import app
+from offline_agent.errors import UserError
+from offline_agent.online.finetune import STATE_FILE, finetune
+from offline_agent.online.ppo import METRICS, PPOConfig
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+runner = CliRunner()
+WIDGET = "online_envs:make_widget"
+# Small and fast: 2 envs x 32 steps per iteration; a high learning rate and a small fixed beta, so that a
+# handful of iterations is enough for the tiny network to learn "repair".
+FAST = ["--num-envs", "2", "--num-steps", "32", "--beta", "0.01", "--learning-rate", "3e-3", "--vector", "sync"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    encoder = online_envs.tiny_encoder_folder(root / "encoder")
+    return {"run": online_envs.tiny_checkpoint(root / "run", encoder), "encoder": encoder, "root": root}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_short_fine_tune_raises_the_success_rate_and_writes_a_loadable_policy(tiny, tmp_path):
+    from offline_agent.evaluate import evaluate
+    from offline_agent.learn.policy import Policy
+
+    out = tmp_path / "ft"
+    config = PPOConfig(iterations=8, num_envs=2, num_steps=32, vector="sync", learning_rate=3e-3, beta=0.01)
+    result = finetune(tiny["run"], WIDGET, out, config)
+    metrics = pl.read_parquet(out / "metrics.parquet")
+    assert set(METRICS) <= set(metrics.columns) and metrics.height == 8
+    assert metrics["iteration"].to_list() == list(range(1, 9))
+    rates = metrics["charts/success_rate"].to_list()
+    # Sampling from the (near-uniform) offline policy succeeds about half the time; after 8 iterations, ~all.
+    assert sum(rates[:2]) / 2 < 0.7 and sum(rates[-2:]) / 2 > 0.85, rates
+    assert result.env_steps == 8 * 64 and (out / "curves.png").stat().st_size > 10_000
+    policy = Policy.load(out)
+    assert policy.algo == "ppo" and policy.meta["finetuned_from"]["algo"] == "cql" and policy.meta["safety"] == []
+    before = evaluate(tiny["run"], WIDGET, episodes=50)
+    after = evaluate(out, WIDGET, episodes=50)
+    assert after.success_rate >= 0.9 > before.success_rate
+
+
+def _cli(out: Path, run: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "offline_agent.cli", "finetune", str(run), "--env", WIDGET, "--out", str(out),
+            *FAST, "--iterations", "12", "--checkpoint-every", "2", *extra]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_killed_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tiny, tmp_path):
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    # The uninterrupted run steps its envs in worker processes, the interrupted one in-process: the result
+    # must not depend on that either.
+    done = subprocess.run(
+        _cli(whole, tiny["run"], "--vector", "process"), cwd=REPO, env=_env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+    process = subprocess.Popen(_cli(killed, tiny["run"]), cwd=REPO, env=_env(), stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while not (killed / STATE_FILE).exists():
+        assert process.poll() is None, process.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared within 120 s"
+        time.sleep(0.01)
+    assert process.poll() is None, "the run finished before it could be killed: make it longer"
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    interrupted_at = pl.read_parquet(killed / "metrics.parquet")["iteration"].max()
+    assert interrupted_at < 12
+
+    resumed = subprocess.run(
+        _cli(killed, tiny["run"], "--resume"), cwd=REPO, env=_env(), capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed after iteration" in resumed.stderr
+
+    assert (whole / "policy.safetensors").read_bytes() == (killed / "policy.safetensors").read_bytes()
+    a, b = load_file(str(whole / STATE_FILE)), load_file(str(killed / STATE_FILE))
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key  # value head, Adam moments and RNG states too
+    deterministic = [c for c in METRICS if not c.startswith("time/")]
+    assert pl.read_parquet(whole / "metrics.parquet").select(deterministic).equals(
+        pl.read_parquet(killed / "metrics.parquet").select(deterministic)
+    )
+
+
+def test_resume_refuses_other_settings_and_a_missing_checkpoint(tiny, tmp_path):
+    out = tmp_path / "ft"
+    config = PPOConfig(iterations=2, num_envs=2, num_steps=16, vector="sync", beta=0.01)
+    finetune(tiny["run"], WIDGET, out, config)
+    with pytest.raises(UserError, match="already holds a run"):
+        finetune(tiny["run"], WIDGET, out, config)
+    with pytest.raises(UserError, match=r"other settings than the interrupted run \(num_steps=16"):
+        finetune(tiny["run"], WIDGET, out, PPOConfig(iterations=3, num_envs=2, num_steps=8, beta=0.01), resume=True)
+    with pytest.raises(UserError, match="--safety differs"):
+        finetune(tiny["run"], WIDGET, out, config, safety="deny:drop_table", resume=True)
+    with pytest.raises(UserError, match="holds no fine-tuning checkpoint"):
+        finetune(tiny["run"], WIDGET, tmp_path / "empty", config, resume=True)
+    # More iterations is a legitimate resume: it continues where the run stopped.
+    longer = PPOConfig(iterations=3, num_envs=2, num_steps=16, vector="sync", beta=0.01)
+    result = finetune(tiny["run"], WIDGET, out, longer, resume=True)
+    assert result.resumed_from == 2 and result.iterations == 3
+    assert pl.read_parquet(out / "metrics.parquet")["iteration"].to_list() == [1, 2, 3]
+
+
+def test_the_safety_rules_are_saved_with_the_policy(tiny, tmp_path):
+    from offline_agent.learn.policy import Policy
+
+    config = PPOConfig(iterations=1, num_envs=1, num_steps=16, vector="sync")
+    finetune(tiny["run"], WIDGET, tmp_path / "ft", config, safety=["deny:drop_table", "regex:sorry"])
+    assert Policy.load(tmp_path / "ft").meta["safety"] == ["deny:drop_table", "regex:sorry"]
+
+
+# --- bad input through the command line ------------------------------------------------------------------
+
+
+def _invoke(*args: str):
+    return runner.invoke(app, ["finetune", *args])
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--target-kl", "0"], "--target-kl must be > 0"),
+        (["--target-kl", "-0.1"], "--target-kl must be > 0"),
+        (["--target-kl", "0.05", "--beta", "0.1"], "exclude each other"),
+        (["--safety", "forbid:everything"], "unknown safety rule"),
+        (["--num-envs", "0"], "num-envs must be >= 1"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(tiny, tmp_path, extra, message):
+    result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "ft"), *extra)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ("online_envs:make_bad_observation", "expected an observation"),
+        ("no_such_module_xyz:make", "cannot import module 'no_such_module_xyz'"),
+        ("offline_agent/NoSuchEnv-v0", "unknown environment"),
+    ],
+)
+def test_an_env_that_breaks_the_contract_is_a_one_line_error(tiny, tmp_path, env, message):
+    for safety in ([], ["--safety", "deny:drop_table"]):  # with a filter, the env is built another way
+        result = _invoke(str(tiny["run"]), "--env", env, "--out", str(tmp_path / "ft"), *FAST, *safety)
+        assert result.exit_code == 2, result.output
+        assert message in result.output and "Traceback" not in result.output
+
+
+def test_a_checkpoint_from_another_encoder_is_a_one_line_error(tiny, tmp_path):
+    other = online_envs.tiny_encoder_folder(tmp_path / "other-encoder", dim=16)
+    result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "ft"), "--encoder", str(other))
+    assert result.exit_code == 2, result.output
+    assert "this policy was trained on embeddings of encoder" in result.output
+
+
+def test_out_must_not_be_the_checkpoint_itself(tiny):
+    result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tiny["run"]))
+    assert result.exit_code == 2 and "is the checkpoint being fine-tuned" in result.output
