@@ -1,0 +1,305 @@
+"""Evaluation before deployment: rollouts of a policy in a simulator, summarised with confidence intervals.
+
+`rollout_policy` plays a trained `Policy` (or a scripted behaviour policy given
+as `behaviour:SPEC`, e.g. `behaviour:noisy:0.5`) for N episodes; episode i
+resets the environment with `simulate.episode_seed(seed, i)`, the same seeds
+`offline-agent simulate` uses, so a policy and the logs' behaviour policy can
+be compared on identical tasks. A learned policy plays several environments in
+lockstep so that each decision round costs one encoder call.
+
+`summarize` turns the episodes into the report: success rate with its 95%
+Wilson interval, mean return (and discounted return, what FQE estimates), mean
+steps, and recovery: after an action that produced an error observation, how
+many steps it took until a step without error (`recovery_lengths`).
+`off_policy_value` is the estimate from held-out logs alone (FQE).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from offline_agent.errors import UserError
+from offline_agent.simulate import episode_seed, wilson_interval
+
+__all__ = [
+    "EpisodeOutcome",
+    "EvalReport",
+    "evaluate",
+    "off_policy_value",
+    "recovery_lengths",
+    "rollout_policy",
+    "summarize",
+    "wilson_interval",
+]
+
+BEHAVIOUR_PREFIX = "behaviour:"
+
+
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """One evaluated episode."""
+
+    seed: int
+    success: bool
+    episode_return: float
+    discounted_return: float
+    steps: int
+    errors: tuple[bool, ...]  # is_error of each step
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    policy: str
+    env: str
+    episodes: int
+    successes: int
+    success_rate: float
+    ci95: tuple[float, float]
+    mean_return: float
+    mean_discounted_return: float
+    gamma: float
+    mean_steps: float
+    error_rate: float  # error steps / steps
+    recoveries: int  # error runs followed by a step without error
+    unrecovered: int  # error runs the episode ended in
+    mean_retries_to_recover: float | None  # mean length of recovered error runs, None when none
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ci95"] = list(self.ci95)
+        return out
+
+
+# --- pure functions --------------------------------------------------------------------------------
+
+
+def recovery_lengths(is_error: Sequence[bool]) -> tuple[list[int], int]:
+    """Steps from each error to the next step without error, and the number of errors never recovered from.
+
+    `is_error` holds one flag per step of an episode. A run of consecutive error steps starting at step i
+    and followed by a clean step j counts once, with length j - i (1 = the next action worked); a run
+    that lasts to the end of the episode is unrecovered.
+    """
+    lengths: list[int] = []
+    start: int | None = None
+    for t, err in enumerate(is_error):
+        if err and start is None:
+            start = t
+        elif not err and start is not None:
+            lengths.append(t - start)
+            start = None
+    return lengths, int(start is not None)
+
+
+def discounted_return(rewards: Sequence[float], gamma: float) -> float:
+    """sum_t gamma^t r_t of one episode."""
+    return float(sum(r * gamma**t for t, r in enumerate(rewards)))
+
+
+def summarize(outcomes: Sequence[EpisodeOutcome], policy: str, env: str, gamma: float) -> EvalReport:
+    n = len(outcomes)
+    if n == 0:
+        raise UserError("no episodes were evaluated: pass --episodes 1 or more")
+    successes = sum(o.success for o in outcomes)
+    lengths: list[int] = []
+    unrecovered = 0
+    for o in outcomes:
+        ls, u = recovery_lengths(o.errors)
+        lengths.extend(ls)
+        unrecovered += u
+    steps = sum(o.steps for o in outcomes)
+    return EvalReport(
+        policy=policy,
+        env=env,
+        episodes=n,
+        successes=successes,
+        success_rate=successes / n,
+        ci95=wilson_interval(successes, n),
+        mean_return=float(np.mean([o.episode_return for o in outcomes])),
+        mean_discounted_return=float(np.mean([o.discounted_return for o in outcomes])),
+        gamma=gamma,
+        mean_steps=steps / n,
+        error_rate=sum(sum(o.errors) for o in outcomes) / max(steps, 1),
+        recoveries=len(lengths),
+        unrecovered=unrecovered,
+        mean_retries_to_recover=float(np.mean(lengths)) if lengths else None,
+    )
+
+
+# --- rollouts --------------------------------------------------------------------------------------
+
+
+def _task(env: Any, info: dict[str, Any], observation: dict[str, Any]) -> str:
+    # The same fallback chain `simulate` writes into the logs' "task" field, so states render alike.
+    return info.get("task") or getattr(env.unwrapped, "task", None) or observation["text"]
+
+
+def rollout_policy(
+    env_spec: str, policy: Any, episodes: int, seed: int = 0, gamma: float = 0.99, n_envs: int = 16
+) -> list[EpisodeOutcome]:
+    """Play `episodes` episodes; `policy` is a `Policy` or the string `behaviour:SPEC`. Episode i uses reset
+    seed `episode_seed(seed, i)`; outcomes come back in episode order."""
+    if episodes < 1:
+        raise UserError(f"--episodes must be at least 1, got {episodes}")
+    if isinstance(policy, str):
+        return _rollout_behaviour(env_spec, policy, episodes, seed, gamma)
+    from offline_agent.envs.loading import make_env
+    from offline_agent.learn.policy import EpisodeHistory
+
+    envs = [make_env(env_spec) for _ in range(min(n_envs, episodes))]
+    pending = list(range(episodes))[::-1]
+    results: dict[int, EpisodeOutcome] = {}
+    # Per slot: episode index, observation, history, rewards, errors.
+    slots: list[dict[str, Any] | None] = [None] * len(envs)
+
+    def start(slot: int) -> None:
+        if not pending:
+            slots[slot] = None
+            return
+        index = pending.pop()
+        s = episode_seed(seed, index)
+        observation, info = envs[slot].reset(seed=s)
+        history = EpisodeHistory(_task(envs[slot], info, observation))
+        slots[slot] = {"index": index, "seed": s, "obs": observation, "history": history, "rewards": [], "errors": []}
+
+    for slot in range(len(envs)):
+        start(slot)
+    try:
+        while any(s is not None for s in slots):
+            live = [i for i, s in enumerate(slots) if s is not None]
+            actions = policy.act_batch([slots[i]["history"] for i in live], [slots[i]["obs"] for i in live])
+            for i, action in zip(live, actions, strict=True):
+                st = slots[i]
+                observation, reward, terminated, truncated, info = envs[i].step(action)
+                st["rewards"].append(float(reward))
+                st["errors"].append(bool(info.get("is_error", False)))
+                st["obs"] = observation
+                if terminated or truncated:
+                    results[st["index"]] = EpisodeOutcome(
+                        seed=st["seed"],
+                        success=bool(info.get("success", False)),
+                        episode_return=float(sum(st["rewards"])),
+                        discounted_return=discounted_return(st["rewards"], gamma),
+                        steps=len(st["rewards"]),
+                        errors=tuple(st["errors"]),
+                    )
+                    start(i)
+    finally:
+        for env in envs:
+            env.close()
+    return [results[i] for i in range(episodes)]
+
+
+def _rollout_behaviour(env_spec: str, spec: str, episodes: int, seed: int, gamma: float) -> list[EpisodeOutcome]:
+    from offline_agent.envs.loading import make_env
+    from offline_agent.envs.policies import make_policy
+
+    policy_fn = make_policy(spec.removeprefix(BEHAVIOUR_PREFIX), seed)
+    env = make_env(env_spec)
+    outcomes = []
+    try:
+        for index in range(episodes):
+            s = episode_seed(seed, index)
+            observation, info = env.reset(seed=s)
+            if hasattr(policy_fn, "reset"):
+                policy_fn.reset()
+            rewards, errors = [], []
+            done = False
+            while not done:
+                observation, reward, terminated, truncated, info = env.step(int(policy_fn(env, observation)))
+                rewards.append(float(reward))
+                errors.append(bool(info.get("is_error", False)))
+                done = terminated or truncated
+            outcomes.append(
+                EpisodeOutcome(
+                    s, bool(info.get("success", False)), float(sum(rewards)),
+                    discounted_return(rewards, gamma), len(rewards), tuple(errors),
+                )
+            )
+    finally:
+        env.close()
+    return outcomes
+
+
+def evaluate(
+    run: str | Path,
+    env: str,
+    episodes: int = 100,
+    seed: int = 0,
+    device: str = "cpu",
+    encoder: Any = None,
+    n_envs: int = 16,
+) -> EvalReport:
+    """Success rate (95% Wilson interval), returns, steps and recovery of a run's policy in `env`.
+
+    `run` is a run folder (or its policy.json), or `behaviour:SPEC` for a scripted policy
+    (`behaviour:noisy:0.5`, `behaviour:expert`, ...).
+    """
+    run_s = str(run)
+    if run_s.startswith(BEHAVIOUR_PREFIX):
+        gamma = 0.99
+        policy: Any = run_s
+        name = run_s
+    else:
+        from offline_agent.learn.policy import Policy
+
+        policy = Policy.load(run, encoder=encoder, device=device)
+        gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
+        name = f"{policy.algo} ({run_s})"
+    outcomes = rollout_policy(env, policy, episodes, seed, gamma, n_envs)
+    return summarize(outcomes, name, env, gamma)
+
+
+# --- off-policy ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OffPolicyReport:
+    policy: str
+    dataset: str
+    split: str
+    episodes: int
+    fqe_value: float  # estimated discounted value of the policy at the split's first states
+    behaviour_value: float  # discounted return the logged episodes actually got
+    gamma: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def off_policy_value(
+    run: str | Path,
+    dataset: str | Path,
+    steps: int = 1000,
+    seed: int = 0,
+    device: str = "cpu",
+    encoder: Any = None,
+    split: str = "test",
+) -> OffPolicyReport:
+    """FQE estimate of a run's (greedy) policy on the held-out split of `dataset`."""
+    from offline_agent.learn.features import build_features
+    from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation
+    from offline_agent.learn.policy import Policy
+
+    policy = Policy.load(run, encoder=encoder, device=device)
+    gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
+    features = build_features(dataset, policy.encoder, k=policy.k)
+    config = FQEConfig(steps=steps, gamma=gamma, seed=seed, device=device, split=split, tau=policy.tau)
+    result = fitted_q_evaluation(features, policy.network, config)
+    if not math.isfinite(result.value):
+        raise UserError("FQE diverged (non-finite value): try fewer --fqe-steps or a smaller learning rate")
+    return OffPolicyReport(
+        policy=f"{policy.algo} ({run})",
+        dataset=str(dataset),
+        split=split,
+        episodes=result.episodes,
+        fqe_value=result.value,
+        behaviour_value=result.behaviour_value,
+        gamma=gamma,
+    )

@@ -1,0 +1,238 @@
+"""Conservative Q-learning over candidate actions: the math in one file, its config next to it.
+
+For a logged transition (s, a, r, s', d) and the candidate actions C(s) of s:
+
+    y    = r + gamma * (1 - d) * Qtarget(s', a*),  a* = argmax_{a' in C(s')} Q(s', a')   (double Q)
+    TD   = sum_k (Q_k(s, a) - y)^2                                                       (both heads)
+    CQL  = alpha * sum_k [logsumexp_{a' in C(s) + {a}} Q_k(s, a') - Q_k(s, a)]
+    loss = TD + CQL
+
+Q and Qtarget are `QNetwork`s with twin heads (min over heads as the value; the target net follows the
+online one by Polyak averaging). The conservative term pushes down the values of the actions the log did
+not take at s relative to the one it did, which keeps the greedy policy near the data where the data
+says nothing. With `cal_ql` (Nakamoto et al. 2023, Cal-QL), the pushed-down values are floored at the
+Monte-Carlo return of the logged episode from s, `max(Q(s, a'), G(s))`, so that conservatism never
+drives values below what the behaviour policy is known to achieve. The policy is
+`pi(a|s) = softmax_{a in C(s)} Q(s, a) / tau`.
+
+Dimension letters: B batch, C candidate slots, D embedding width, K heads.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from offline_agent.errors import UserError
+from offline_agent.learn.features import Batch, Features, make_batch
+from offline_agent.learn.networks import QNetwork, masked
+
+#: Called after each gradient step with the step number and, on log steps, the metric record.
+OnStep = Callable[[int, dict[str, float] | None], None]
+
+#: Metric names written to RUN/metrics.parquet (a stable contract).
+METRICS = ("loss/total", "loss/td", "loss/cql", "q/data_mean", "q/ood_gap", "q/target_mean")
+
+
+@dataclass
+class CQLConfig:
+    """Settings of a CQL run; `__post_init__` rejects values that cannot work, naming the fix."""
+
+    steps: int = field(default=2000, metadata={"help": "gradient steps"})
+    batch_size: int = field(default=256, metadata={"help": "transitions per gradient step"})
+    learning_rate: float = field(default=3e-4, metadata={"help": "Adam learning rate"})
+    gamma: float = field(default=0.99, metadata={"help": "discount factor, in [0, 1]"})
+    alpha: float = field(default=1.0, metadata={"help": "weight of the conservative term, >= 0 (0 = plain DQN)"})
+    tau: float = field(default=0.1, metadata={"help": "temperature of the policy softmax(Q / tau), > 0"})
+    target_update_rate: float = field(default=0.005, metadata={"help": "Polyak rate of the target net, (0, 1]"})
+    hidden: int = field(default=256, metadata={"help": "hidden width of each Q head"})
+    n_heads: int = field(default=2, metadata={"help": "Q heads (2 = twin Q with min)"})
+    cal_ql: bool = field(default=False, metadata={"help": "floor pushed-down values at the MC return"})
+    n_sampled_candidates: int = field(
+        default=16, metadata={"help": "candidates sampled for steps whose log has none"}
+    )
+    state_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on phi(s)"})
+    action_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on psi(a)"})
+    seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
+    device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
+    log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})
+
+    def __post_init__(self) -> None:
+        check_common(self)
+        if self.alpha < 0:
+            raise UserError(f"alpha must be >= 0, got {self.alpha}: use e.g. --alpha 1.0 (0 turns CQL into DQN)")
+        if not 0.0 < self.target_update_rate <= 1.0:
+            raise UserError(f"target_update_rate must be in (0, 1], got {self.target_update_rate}; e.g. 0.005")
+        if self.n_heads < 1:
+            raise UserError(f"n_heads must be >= 1, got {self.n_heads}; 2 gives twin Q")
+
+
+def check_common(config: Any) -> None:
+    """Checks every learner's config shares (steps, batch size, learning rate, gamma, tau, device)."""
+    if config.steps < 1:
+        raise UserError(f"steps must be >= 1, got {config.steps}; e.g. --steps 2000")
+    if config.batch_size < 1:
+        raise UserError(f"batch_size must be >= 1, got {config.batch_size}; e.g. --batch-size 256")
+    if not config.learning_rate > 0:
+        raise UserError(f"learning_rate must be > 0, got {config.learning_rate}; e.g. 3e-4")
+    if not 0.0 <= config.gamma <= 1.0:
+        raise UserError(f"gamma must be in [0, 1], got {config.gamma}; e.g. 0.99")
+    if not config.tau > 0:
+        raise UserError(f"tau (policy temperature) must be > 0, got {config.tau}; e.g. 0.1, or 1.0 for BC")
+    if not (config.device == "cpu" or config.device.startswith("cuda")):
+        raise UserError(f"device must be cpu, cuda or cuda:N, got {config.device!r}")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {config.device}: no CUDA device is available here; use --device cpu")
+
+
+# --- the math --------------------------------------------------------------------------------------
+
+
+def double_q_target(
+    reward: torch.Tensor,
+    done: torch.Tensor,
+    gamma: float,
+    q_next_online: torch.Tensor,
+    q_next_target: torch.Tensor,
+    next_mask: torch.Tensor,
+) -> torch.Tensor:
+    """Double-Q TD target `y = r + gamma * (1 - d) * Qtarget(s', argmax_{a'} Qonline(s', a'))`.
+
+    reward, done: (B,) float32; q_next_online, q_next_target: (B, C) float32 over the candidates of s';
+    next_mask: (B, C) bool. Returns y (B,). Rows with d = 1 ignore s' entirely.
+    """
+    a_star = masked(q_next_online, next_mask).argmax(1, keepdim=True)  # (B, 1)
+    v_next = q_next_target.gather(1, a_star).squeeze(1)  # (B,)
+    v_next = torch.where(done > 0, torch.zeros_like(v_next), v_next)
+    return reward + gamma * (1.0 - done) * v_next
+
+
+def conservative_penalty(
+    q_data: torch.Tensor, q_cand: torch.Tensor, cand_mask: torch.Tensor, floor: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`logsumexp_{a' in C(s) + {a}} Q(s, a') - Q(s, a)` per row, before the weight alpha.
+
+    q_data: (B,) Q of the logged action; q_cand: (B, C) Q of the other candidates; cand_mask: (B, C) bool
+    (False for padding and for the logged action's own slot, so it is counted once). floor: (B,) or None;
+    with Cal-QL the other candidates enter as `max(Q, floor)` (the Monte-Carlo return). Returns (B,) >= 0.
+    A leading heads dimension (K, B) / (K, B, C) broadcasts against mask and floor.
+    """
+    if floor is not None:
+        q_cand = torch.maximum(q_cand, floor[:, None])
+    q_all = torch.cat([q_data[..., None], masked(q_cand, cand_mask)], -1)  # (..., B, 1 + C)
+    return torch.logsumexp(q_all, -1) - q_data
+
+
+def policy_probs(q: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
+    """pi(a|s) = softmax(Q / tau) over valid candidates: q (B, C), mask (B, C) -> (B, C), 0 where masked."""
+    return torch.softmax(masked(q, mask) / tau, dim=1)
+
+
+@torch.no_grad()
+def polyak_update(target: torch.nn.Module, online: torch.nn.Module, rate: float) -> None:
+    """target <- (1 - rate) * target + rate * online, parameter by parameter."""
+    for t, o in zip(target.parameters(), online.parameters(), strict=True):
+        t.lerp_(o, rate)
+
+
+@dataclass(frozen=True)
+class CQLLoss:
+    """The loss of one batch and its parts as named scalars: the metric record of a step."""
+
+    total: torch.Tensor
+    td: float
+    cql: float
+    q_data_mean: float
+    q_ood_gap: float
+    q_target_mean: float
+
+    def metrics(self) -> dict[str, float]:
+        return dict(
+            zip(
+                METRICS,
+                (float(self.total.detach()), self.td, self.cql, self.q_data_mean, self.q_ood_gap, self.q_target_mean),
+                strict=True,
+            )
+        )
+
+
+def cql_loss(q_net: QNetwork, target_net: QNetwork, batch: Batch, config: CQLConfig) -> CQLLoss:
+    """TD (both heads) + alpha * conservative penalty (both heads) on one batch."""
+    cand_all = torch.cat([batch.action[:, None, :], batch.cand], 1)  # (B, D), (B, C, D) -> (B, 1 + C, D)
+    q = q_net.all_heads(batch.state, cand_all)  # (K, B, 1 + C)
+    q_data, q_cand = q[:, :, 0], q[:, :, 1:]  # (K, B), (K, B, C)
+    with torch.no_grad():
+        q_next_online = q_net.all_heads(batch.next_state, batch.next_cand).min(0).values  # (B, C')
+        q_next_target = target_net.all_heads(batch.next_state, batch.next_cand).min(0).values  # (B, C')
+        y = double_q_target(batch.reward, batch.done, config.gamma, q_next_online, q_next_target, batch.next_mask)
+    td = (q_data - y[None, :]).pow(2).mean(1).sum()  # (K, B) -> (K,) -> ()
+    floor = batch.return_to_go if config.cal_ql else None
+    penalty = conservative_penalty(q_data, q_cand, batch.cand_mask, floor)  # (K, B)
+    cql = config.alpha * penalty.mean(1).sum()  # (K, B) -> ()
+    with torch.no_grad():
+        q_min = q.min(0).values  # (K, B, 1 + C) -> (B, 1 + C)
+        n_other = batch.cand_mask.sum()
+        other_mean = (q_min[:, 1:] * batch.cand_mask).sum() / n_other.clamp(min=1)
+        gap = float(q_min[:, 0].mean() - other_mean) if n_other > 0 else 0.0
+    return CQLLoss(
+        total=td + cql,
+        td=float(td.detach()),
+        cql=float(cql.detach()),
+        q_data_mean=float(q_min[:, 0].mean()),
+        q_ood_gap=gap,
+        q_target_mean=float(y.mean()),
+    )
+
+
+# --- training --------------------------------------------------------------------------------------
+
+
+def train_rows(features: Features) -> torch.Tensor:
+    """Rows of the train split; a dataset without any is a user error."""
+    rows = features.rows("train")
+    if rows.numel() == 0:
+        raise UserError(
+            f"the dataset has no steps in its train split ({features.n_steps} steps in all): "
+            "ingest more episodes or re-split it"
+        )
+    return rows
+
+
+def train_cql(
+    features: Features, config: CQLConfig, on_step: OnStep | None = None
+) -> tuple[QNetwork, list[dict[str, float]]]:
+    """Train a twin-Q `QNetwork` on the train split. Returns the online network and one metric row per log step.
+
+    `on_step(step, record)` is called after every step (record is None between log steps), for progress bars.
+
+    Deterministic for a given seed and device: batches come from a seeded generator.
+    """
+    torch.manual_seed(config.seed)
+    generator = torch.Generator().manual_seed(config.seed)
+    return_to_go = features.returns_to_go(config.gamma)
+    rows = train_rows(features)
+    q_net = QNetwork(
+        features.dim, config.hidden, config.n_heads, config.state_adapter, config.action_adapter
+    ).to(config.device)
+    target_net = copy.deepcopy(q_net).requires_grad_(False)
+    optimizer = torch.optim.Adam(q_net.parameters(), lr=config.learning_rate)
+    history: list[dict[str, float]] = []
+    for step in range(1, config.steps + 1):
+        pick = rows[torch.randint(rows.shape[0], (config.batch_size,), generator=generator)]
+        batch = make_batch(features, pick, generator, config.n_sampled_candidates, return_to_go)
+        loss = cql_loss(q_net, target_net, batch.to(config.device), config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.total.backward()
+        optimizer.step()
+        polyak_update(target_net, q_net, config.target_update_rate)
+        record = None
+        if step % config.log_every == 0 or step == config.steps:
+            record = {"step": step, **loss.metrics()}
+            history.append(record)
+        if on_step is not None:
+            on_step(step, record)
+    return q_net.eval(), history

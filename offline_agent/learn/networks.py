@@ -1,0 +1,163 @@
+"""The networks that score actions: plain `torch.nn.Module`s with one shared method, `q_values`.
+
+`q_values(state_emb (B, D), cand_emb (B, C, D), mask (B, C)) -> (B, C)` is the
+contract: every learner's network answers it (CQL's Q, BC's logits, FQE's Q,
+the export of d3rlpy's DiscreteCQL), the `Policy` turns it into
+`softmax(q / tau)`, and the online PPO stage initialises its policy head from a
+checkpoint's network through it. Masked-out slots come back as -inf.
+
+- `QNetwork`: Q(s, a) = MLP([phi(s), psi(a), phi(s) * psi(a)]) with K heads (twin Q for CQL), optionally
+  with small residual adapters that make the frozen state or action embeddings trainable.
+- `VocabQNetwork`: an MLP from phi(s) to one value per vocabulary action (d3rlpy's architecture); a candidate
+  is scored as its nearest vocabulary action by embedding (an exact match for a known action).
+
+`build_network(config)` rebuilds either from the `network` entry of a checkpoint's policy.json.
+
+Dimension letters: B batch, C candidate slots, D embedding width, H hidden width, K heads, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def masked(q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q (B, C) with -inf where mask (B, C) is False."""
+    return q.masked_fill(~mask, float("-inf"))
+
+
+class Adapter(nn.Module):
+    """x + W2 relu(W1 x), renormalised: a trainable correction of a frozen unit embedding.
+
+    W2 starts at zero, so an adapter starts as the identity and training departs from the frozen features
+    only as far as the loss asks.
+    """
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.down = nn.Linear(dim, hidden)
+        self.up = nn.Linear(hidden, dim)
+        nn.init.zeros_(self.up.weight)
+        nn.init.zeros_(self.up.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.normalize(x + self.up(torch.relu(self.down(x))), dim=-1)
+
+
+class QHead(nn.Module):
+    """One Q function: relu(W_s s + W_a a + W_sa (s * a) + b) -> H -> 1.
+
+    The first layer is a Linear over the concatenation [s, a, s * a] written as three blocks, so that the
+    state block runs once per state (B, H) instead of once per candidate (B, C, H): the same function,
+    a third less compute.
+    """
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w_state = nn.Linear(dim, hidden)
+        self.w_action = nn.Linear(dim, hidden, bias=False)
+        self.w_product = nn.Linear(dim, hidden, bias=False)
+        self.mlp = nn.Sequential(nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+    def forward(self, s: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        """s (B, D), a (B, C, D) -> (B, C)."""
+        h = self.w_state(s)[:, None, :] + self.w_action(a) + self.w_product(s[:, None, :] * a)  # (B, C, H)
+        return self.mlp(h).squeeze(-1)  # (B, C, 1) -> (B, C)
+
+
+class QNetwork(nn.Module):
+    """Q(s, a) over frozen text embeddings: K heads of `QHead`, min over heads as the value."""
+
+    kind = "candidate_q"
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int = 256,
+        n_heads: int = 2,
+        state_adapter: bool = False,
+        action_adapter: bool = False,
+        adapter_hidden: int = 128,
+    ):
+        super().__init__()
+        self.dim, self.hidden, self.n_heads = dim, hidden, n_heads
+        self.state_adapter = Adapter(dim, adapter_hidden) if state_adapter else None
+        self.action_adapter = Adapter(dim, adapter_hidden) if action_adapter else None
+        self.adapter_hidden = adapter_hidden
+        self.heads = nn.ModuleList(QHead(dim, hidden) for _ in range(n_heads))
+        # Unit embeddings have coordinates of size ~1/sqrt(D); scaling them to ~1 suits the default init.
+        self.scale = math.sqrt(dim)
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments, as stored in policy.json."""
+        return {
+            "kind": self.kind,
+            "dim": self.dim,
+            "hidden": self.hidden,
+            "n_heads": self.n_heads,
+            "state_adapter": self.state_adapter is not None,
+            "action_adapter": self.action_adapter is not None,
+            "adapter_hidden": self.adapter_hidden,
+        }
+
+    def all_heads(self, state_emb: torch.Tensor, cand_emb: torch.Tensor) -> torch.Tensor:
+        """state_emb (B, D), cand_emb (B, C, D) -> (K, B, C) Q-values of every head (no mask)."""
+        s, a = state_emb, cand_emb
+        if self.state_adapter is not None:
+            s = self.state_adapter(s)
+        if self.action_adapter is not None:
+            a = self.action_adapter(a)
+        s, a = s * self.scale, a * self.scale
+        return torch.stack([head(s, a) for head in self.heads])
+
+    def q_values(self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """(B, C) min over heads, -inf where mask (B, C) is False."""
+        return masked(self.all_heads(state_emb, cand_emb).min(0).values, mask)
+
+
+class VocabQNetwork(nn.Module):
+    """Q(s, .) for every vocabulary action at once: d3rlpy's DiscreteCQL network (MLP D -> H -> H -> V).
+
+    At decision time the candidates are not vocabulary ids but texts, so `q_values` maps each candidate
+    embedding to its nearest vocabulary action (cosine); a known action maps to itself, an action never
+    seen in the logs borrows the value of the most similar one it knows.
+    """
+
+    kind = "vocab_q"
+
+    def __init__(self, dim: int, n_actions: int, hidden: int = 256):
+        super().__init__()
+        self.dim, self.n_actions, self.hidden = dim, n_actions, hidden
+        self.encoder = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
+        self.fc = nn.Linear(hidden, n_actions)
+        self.register_buffer("vocab_emb", torch.zeros(n_actions, dim))  # (V, D)
+
+    def config(self) -> dict[str, Any]:
+        return {"kind": self.kind, "dim": self.dim, "n_actions": self.n_actions, "hidden": self.hidden}
+
+    def all_actions(self, state_emb: torch.Tensor) -> torch.Tensor:
+        """state_emb (B, D) -> (B, V)."""
+        return self.fc(self.encoder(state_emb))
+
+    def nearest_action(self, cand_emb: torch.Tensor) -> torch.Tensor:
+        """cand_emb (B, C, D) -> (B, C) int64 vocabulary id of the most similar action."""
+        return (cand_emb @ self.vocab_emb.T).argmax(-1)  # (B, C, D) @ (D, V) -> (B, C, V) -> (B, C)
+
+    def q_values(self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q = self.all_actions(state_emb).gather(1, self.nearest_action(cand_emb))  # (B, V) -> (B, C)
+        return masked(q, mask)
+
+
+def build_network(config: dict[str, Any]) -> nn.Module:
+    """A network from its `config()` (the `network` entry of policy.json), with fresh weights."""
+    config = dict(config)
+    kind = config.pop("kind")
+    if kind == QNetwork.kind:
+        return QNetwork(**config)
+    if kind == VocabQNetwork.kind:
+        return VocabQNetwork(**config)
+    raise ValueError(f"unknown network kind {kind!r}")

@@ -1,0 +1,249 @@
+"""Policies at decision time, and their checkpoints (safetensors + JSON, never pickle).
+
+A checkpoint is two files in a run folder:
+
+    policy.safetensors   the network's state dict
+    policy.json          format, algo, the network's constructor arguments, the encoder (id, path, dim,
+                         max_length), the state renderer's settings (k, max_tokens), tau, training summary
+
+Both are written to temporary names and renamed, the JSON last, so a reader
+sees a whole checkpoint or none. `Policy.load` rebuilds the network from the
+JSON, loads the tensors, and refuses (UserError) an encoder other than the one
+the policy was trained with: its values would be computed on vectors it has
+never seen.
+
+`Policy.act(observation)` plays in an environment whose observations are
+`{"text", "candidates"}` dicts: it keeps the episode's turns, renders the state
+with `offline_agent.embed.render_state` exactly as the training states were
+rendered, embeds state and candidates, and returns the index of the best
+candidate. `Policy.score(state_text, candidates)` ranks the actions an LLM
+proposes (strings or tool-call dicts).
+
+Dimension letters: B decisions, C candidate slots, D embedding width.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from offline_agent.actions import ActionError, canonical_action
+from offline_agent.errors import UserError
+from offline_agent.learn.networks import build_network
+
+FORMAT = "offline-agent-policy"
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "policy.safetensors"
+CONFIG_FILE = "policy.json"
+
+
+# --- checkpoints -----------------------------------------------------------------------------------
+
+
+def save_checkpoint(run_dir: str | Path, network: torch.nn.Module, meta: dict[str, Any]) -> Path:
+    """Write `policy.safetensors` and `policy.json` into `run_dir` atomically; returns the JSON's path.
+
+    `meta` holds at least algo, encoder {id, path, dim, max_length}, k, max_tokens and tau.
+    """
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tag = uuid.uuid4().hex[:8]
+    weights_tmp = run_dir / f".{WEIGHTS_FILE}.tmp-{tag}"
+    config_tmp = run_dir / f".{CONFIG_FILE}.tmp-{tag}"
+    state = {name: t.detach().cpu().contiguous() for name, t in network.state_dict().items()}
+    save_file(state, str(weights_tmp))
+    config = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta, "network": network.config()}
+    config_tmp.write_text(json.dumps(config, indent=2) + "\n")
+    os.replace(weights_tmp, run_dir / WEIGHTS_FILE)
+    os.replace(config_tmp, run_dir / CONFIG_FILE)  # last: the JSON marks a complete checkpoint
+    return run_dir / CONFIG_FILE
+
+
+def checkpoint_dir(path: str | Path) -> Path:
+    """The run folder of a checkpoint given as the folder or as its policy.json / policy.safetensors."""
+    path = Path(path)
+    folder = path.parent if path.name in (CONFIG_FILE, WEIGHTS_FILE) else path
+    if not (folder / CONFIG_FILE).is_file():
+        raise UserError(
+            f"{path} holds no policy checkpoint ({CONFIG_FILE} not found): "
+            "train one with `offline-agent train DATASET --out RUN`"
+        )
+    return folder
+
+
+def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
+    """(network in eval mode, policy.json as a dict) of a checkpoint; safetensors only, nothing unpickled."""
+    folder = checkpoint_dir(path)
+    try:
+        meta = json.loads((folder / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{folder / CONFIG_FILE} is not valid JSON ({exc}): the checkpoint is damaged") from None
+    if meta.get("format") != FORMAT or meta.get("format_version") != FORMAT_VERSION:
+        raise UserError(
+            f"{folder / CONFIG_FILE} is not an {FORMAT} v{FORMAT_VERSION} checkpoint "
+            f"(format {meta.get('format')!r} v{meta.get('format_version')!r}): retrain with this offline-agent"
+        )
+    network = build_network(meta["network"])
+    network.load_state_dict(load_file(str(folder / WEIGHTS_FILE)), strict=True)
+    return network.to(device).eval(), meta
+
+
+def encoder_for(meta: dict[str, Any], encoder: Any = None, device: str = "cpu") -> Any:
+    """The encoder a checkpoint was trained with: `encoder` if given, else loaded from the recorded path
+    (or the packaged default when that path is absent here). A different encoder id is a UserError."""
+    wanted = meta["encoder"]
+    if encoder is None:
+        from offline_agent.embed import TextEncoder
+
+        path = wanted.get("path")
+        path = path if path and Path(path).is_dir() else None
+        encoder = TextEncoder(path=path, device=device, max_length=int(wanted.get("max_length", 256)))
+    if encoder.id != wanted["id"]:
+        raise UserError(
+            f"this policy was trained on embeddings of encoder {wanted['id']} (from {wanted.get('path')}), "
+            f"but the encoder available is {encoder.id}: pass --encoder PATH to the model it was trained with, "
+            "or retrain the policy with this encoder"
+        )
+    return encoder
+
+
+# --- the policy ------------------------------------------------------------------------------------
+
+
+@dataclass
+class EpisodeHistory:
+    """What a policy remembers of one episode: its task and the (observation, action) turns so far."""
+
+    task: str | None = None
+    turns: list[tuple[str, str]] = field(default_factory=list)
+
+
+def candidate_texts(candidates: Sequence[Any]) -> list[str]:
+    """Canonical texts of candidates given as strings or tool-call dicts; a bad one is a UserError."""
+    try:
+        return [canonical_action(c) for c in candidates]
+    except ActionError as exc:
+        raise UserError(f"a candidate action cannot be read: {exc}") from None
+
+
+class Policy:
+    """A trained scoring network with the encoder and renderer it was trained with."""
+
+    def __init__(
+        self,
+        network: torch.nn.Module,
+        encoder: Any,
+        meta: dict[str, Any],
+        greedy: bool = True,
+        seed: int = 0,
+        device: str = "cpu",
+    ):
+        self.network = network.to(device).eval()
+        self.encoder = encoder
+        self.meta = meta
+        self.tau = float(meta.get("tau", 1.0))
+        self.k = int(meta.get("k", 3))
+        self.max_tokens = meta.get("max_tokens")
+        self.greedy = greedy
+        self.device = device
+        self.generator = torch.Generator().manual_seed(seed)
+        self.history = EpisodeHistory()
+        self._memo: dict[str, np.ndarray] = {}
+
+    @classmethod
+    def load(
+        cls, path: str | Path, encoder: Any = None, device: str = "cpu", greedy: bool = True, seed: int = 0
+    ) -> Policy:
+        """The policy of a checkpoint (run folder or its policy.json); see `encoder_for` for the encoder."""
+        network, meta = load_checkpoint(path, device)
+        return cls(network, encoder_for(meta, encoder, device), meta, greedy=greedy, seed=seed, device=device)
+
+    @property
+    def algo(self) -> str:
+        return str(self.meta.get("algo"))
+
+    # --- embeddings --------------------------------------------------------------------------------
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """(N, D) float32 embeddings, each distinct text encoded once per policy (candidates repeat a lot)."""
+        missing = list(dict.fromkeys(t for t in texts if t not in self._memo))
+        if missing:
+            if len(self._memo) > 200_000:  # bound memory over very long evaluations
+                self._memo.clear()
+            self._memo.update(zip(missing, self.encoder.encode(missing), strict=True))
+        return np.stack([self._memo[t] for t in texts]) if texts else np.zeros((0, self.encoder.dim), np.float32)
+
+    def render(self, history: EpisodeHistory, observation_text: str) -> str:
+        from offline_agent.embed import render_state
+
+        count = getattr(self.encoder, "count_tokens", None) if self.max_tokens is not None else None
+        return render_state(history.task, history.turns, observation_text, self.k, self.max_tokens, count)
+
+    # --- scoring -----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def score_batch(self, state_texts: Sequence[str], candidates: Sequence[Sequence[Any]]) -> list[np.ndarray]:
+        """Q-values (or BC logits) of each state's candidates: one (C_i,) float32 array per state."""
+        cand_lists = [candidate_texts(c) for c in candidates]
+        if any(not c for c in cand_lists):
+            raise UserError("a decision needs at least one candidate action, got an empty list")
+        flat = [t for c in cand_lists for t in c]
+        vectors = torch.from_numpy(self.embed(list(state_texts) + flat))  # (B + sum C_i, D)
+        state = vectors[: len(state_texts)]  # (B, D)
+        width = max(len(c) for c in cand_lists)
+        cand = torch.zeros(len(cand_lists), width, state.shape[1])  # (B, C, D)
+        mask = torch.zeros(len(cand_lists), width, dtype=torch.bool)  # (B, C)
+        offset = len(state_texts)
+        for i, c in enumerate(cand_lists):
+            cand[i, : len(c)] = vectors[offset : offset + len(c)]
+            mask[i, : len(c)] = True
+            offset += len(c)
+        q = self.network.q_values(state.to(self.device), cand.to(self.device), mask.to(self.device)).cpu()
+        return [q[i, : len(c)].numpy().astype(np.float32) for i, c in enumerate(cand_lists)]
+
+    def score(self, state_text: str, candidates: Sequence[Any]) -> np.ndarray:
+        """(C,) float32 values of `candidates` (strings or tool-call dicts) in the state `state_text`."""
+        return self.score_batch([state_text], [candidates])[0]
+
+    def probabilities(self, state_text: str, candidates: Sequence[Any]) -> np.ndarray:
+        """(C,) pi(a|s) = softmax(Q / tau) over `candidates`."""
+        q = torch.from_numpy(self.score(state_text, candidates))
+        return torch.softmax(q / self.tau, 0).numpy()
+
+    # --- acting ------------------------------------------------------------------------------------
+
+    def reset(self, task: str | None = None) -> None:
+        """Start a new episode (call before its first `act`)."""
+        self.history = EpisodeHistory(task)
+
+    def act(self, observation: dict[str, Any]) -> int:
+        """Index of the chosen candidate of an environment observation `{"text", "candidates"}`."""
+        return self.act_batch([self.history], [observation])[0]
+
+    def act_batch(self, histories: Sequence[EpisodeHistory], observations: Sequence[dict[str, Any]]) -> list[int]:
+        """One decision in each of several episodes at once (one encoder call); records each turn."""
+        texts = [str(o.get("text", "")) for o in observations]
+        states = [self.render(h, t) for h, t in zip(histories, texts, strict=True)]
+        scores = self.score_batch(states, [o["candidates"] for o in observations])
+        choices = []
+        for history, text, obs, q in zip(histories, texts, observations, scores, strict=True):
+            if self.greedy:
+                index = int(np.argmax(q))
+            else:
+                probs = torch.softmax(torch.from_numpy(q) / self.tau, 0)
+                index = int(torch.multinomial(probs, 1, generator=self.generator))
+            history.turns.append((text, canonical_action(obs["candidates"][index])))
+            choices.append(index)
+        return choices
+
+    def __repr__(self) -> str:
+        return f"Policy(algo={self.algo!r}, encoder={self.encoder.id!r}, tau={self.tau}, k={self.k})"

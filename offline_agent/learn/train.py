@@ -1,0 +1,250 @@
+"""`train`: a dataset in, a run folder out (what the `offline-agent train` verb runs).
+
+A run folder holds
+
+    policy.safetensors, policy.json   the checkpoint (see `offline_agent.learn.policy`)
+    metrics.parquet                   one row per logged step: `step` and the algorithm's metrics
+    curves.png                        those metrics against step
+    train.json                        dataset, algorithm, config, sizes, time, embedding-cache use
+
+The dataset becomes tensors once (`build_features`, through the dataset's
+embedding cache), then one learner runs: `cql` (ours), `bc`, `filtered-bc`
+(top 20% of episodes by return unless configured) or `d3rlpy-cql`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from offline_agent.errors import UserError
+from offline_agent.learn.bc import BCConfig, train_bc
+from offline_agent.learn.cql import CQLConfig, OnStep, train_cql
+from offline_agent.learn.d3rlpy_bridge import D3rlpyCQLConfig, train_d3rlpy_cql
+from offline_agent.learn.features import Features, build_features
+from offline_agent.learn.policy import CONFIG_FILE, save_checkpoint
+
+ALGOS = ("cql", "bc", "filtered-bc", "d3rlpy-cql")
+FILTERED_BC_FRACTION = 0.2
+METRICS_FILE = "metrics.parquet"
+CURVES_FILE = "curves.png"
+SUMMARY_FILE = "train.json"
+
+
+def make_config(algo: str, **settings: Any) -> CQLConfig | BCConfig | D3rlpyCQLConfig:
+    """The config dataclass of `algo` with `settings` (None values mean "the default")."""
+    settings = {k: v for k, v in settings.items() if v is not None}
+    if algo == "cql":
+        cls: type = CQLConfig
+    elif algo in ("bc", "filtered-bc"):
+        cls = BCConfig
+        if algo == "filtered-bc":
+            settings.setdefault("filter_fraction", FILTERED_BC_FRACTION)
+    elif algo == "d3rlpy-cql":
+        cls = D3rlpyCQLConfig
+    else:
+        raise UserError(f"unknown algorithm {algo!r}: use --algo one of {', '.join(ALGOS)}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise UserError(f"--algo {algo} has no setting {', '.join(unknown)} (its settings: {', '.join(sorted(known))})")
+    return cls(**settings)
+
+
+def run_algorithm(
+    algo: str, features: Features, config: Any, on_step: OnStep | None = None
+) -> tuple[Any, list[dict[str, float]]]:
+    """Train `algo` on `features`: (network with `q_values`, metric rows)."""
+    if algo == "cql":
+        return train_cql(features, config, on_step)
+    if algo in ("bc", "filtered-bc"):
+        return train_bc(features, config, on_step)
+    if algo == "d3rlpy-cql":
+        return train_d3rlpy_cql(features, config, on_step)
+    raise UserError(f"unknown algorithm {algo!r}: use --algo one of {', '.join(ALGOS)}")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    algo: str
+    steps: int
+    seconds: float  # training only, features excluded
+    final_metrics: dict[str, float]
+    cache_hits: int
+    cache_misses: int
+
+    @property
+    def steps_per_second(self) -> float:
+        return self.steps / self.seconds if self.seconds > 0 else float("inf")
+
+
+def load_encoder(encoder: Any, device: str) -> Any:
+    """A `TextEncoder` from a path (None = the packaged MiniLM), or `encoder` itself if it is one already."""
+    if encoder is None or isinstance(encoder, str | Path):
+        from offline_agent.embed import TextEncoder
+
+        return TextEncoder(path=None if encoder is None else str(encoder), device=device)
+    return encoder
+
+
+def train(
+    dataset: str | Path,
+    algo: str = "cql",
+    out: str | Path = "run",
+    *,
+    steps: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    device: str = "cpu",
+    alpha: float | None = None,
+    encoder: Any = None,
+    k: int | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+    settings: dict[str, Any] | None = None,
+    features: Features | None = None,
+) -> TrainResult:
+    """Train `algo` on `dataset` and write the run folder `out` (see the module docstring).
+
+    `settings` passes any other field of the algorithm's config (e.g. {"cal_ql": True}); `features`
+    skips embedding when the caller already built them (benchmarks).
+    """
+    if algo in ("bc", "filtered-bc") and alpha is not None:
+        raise UserError(f"--alpha is the weight of CQL's conservative term; --algo {algo} has none: drop --alpha")
+    config = make_config(
+        algo, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha, **(settings or {})
+    )
+    out = Path(out)
+    if (out / CONFIG_FILE).exists() and not overwrite:
+        raise UserError(f"{out} already holds a trained policy: choose another --out, or pass --overwrite")
+    from offline_agent.dataset import TrajectoryDataset
+
+    ds = TrajectoryDataset.open(dataset)
+    encoder = load_encoder(encoder, device)
+    if features is None:
+        features = build_features(ds, encoder, k=k, progress=progress)
+    elif features.encoder_id != encoder.id:
+        raise ValueError("features were built with another encoder than the one given")
+
+    start = time.perf_counter()
+    with _progress_bar(progress, config.steps, algo) as on_step:
+        network, history = run_algorithm(algo, features, config, on_step)
+    seconds = time.perf_counter() - start
+
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = write_metrics(out, history)
+    plot_curves(metrics, out / CURVES_FILE, title=f"{algo} on {ds.name}")
+    meta = {
+        "algo": algo,
+        "encoder": {
+            "id": encoder.id,
+            "path": getattr(encoder, "path", None),
+            "dim": encoder.dim,
+            "max_length": getattr(encoder, "max_length", None),
+        },
+        "k": features.k,
+        "max_tokens": features.max_tokens,
+        "tau": config.tau,
+        "dataset": {"path": str(ds.path), "name": ds.name, "fingerprint": ds.meta.get("fingerprint")},
+        "config": asdict(config),
+    }
+    save_checkpoint(out, network, meta)
+    final = {k: v for k, v in (history[-1] if history else {}).items() if v is not None}
+    summary = {
+        **meta,
+        "features": features.describe(),
+        "train_seconds": round(seconds, 3),
+        "steps_per_second": round(config.steps / seconds, 2) if seconds > 0 else None,
+        "embedding_cache": {"hits": features.cache_hits, "misses": features.cache_misses},
+        "final_metrics": final,
+    }
+    _write_json(out / SUMMARY_FILE, summary)
+    return TrainResult(out, algo, config.steps, seconds, final, features.cache_hits, features.cache_misses)
+
+
+def write_metrics(run_dir: Path, history: list[dict[str, float]]) -> pl.DataFrame:
+    """RUN/metrics.parquet: one row per logged step (written to a temporary name, then renamed)."""
+    frame = pl.DataFrame(history) if history else pl.DataFrame({"step": []}, schema={"step": pl.Int64})
+    frame = frame.with_columns(pl.col("step").cast(pl.Int64))
+    tmp = run_dir / f".{METRICS_FILE}.tmp-{uuid.uuid4().hex[:8]}"
+    frame.write_parquet(tmp)
+    os.replace(tmp, run_dir / METRICS_FILE)
+    return frame
+
+
+def plot_curves(metrics: pl.DataFrame, path: Path, title: str = "") -> None:
+    """One panel per metric against step, as PNG (Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c for c in metrics.columns if c != "step"]
+    cols = min(3, max(1, len(names)))
+    rows = max(1, -(-len(names) // cols))
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names, strict=False):
+        ax.plot(metrics["step"].to_numpy(), metrics[name].to_numpy(), lw=1.2)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(names) :]:
+        ax.axis("off")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(value, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class _progress_bar:
+    """A rich progress bar over training steps when asked for; yields the `on_step` callback."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled, self.total, self.label = enabled, total, label
+
+    def __enter__(self) -> OnStep | None:
+        if not self.enabled:
+            return None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("train {task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[loss]}"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self.bar.start()
+        task = self.bar.add_task(self.label, total=self.total, loss="")
+
+        def on_step(step: int, record: dict[str, float] | None) -> None:
+            if record is not None:
+                loss = next((v for k, v in record.items() if k.startswith("loss/") and v is not None), None)
+                self.bar.update(task, completed=step, loss=f"loss {loss:.4f}" if loss is not None else "")
+            elif step % 10 == 0:
+                self.bar.update(task, completed=step)
+
+        return on_step
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self.bar.stop()

@@ -1,0 +1,57 @@
+"""Shared, built-once data of the offline-learner tests: ColorLock logs ingested as a dataset, and MiniLM.
+
+Built lazily, once per test process, in a temporary folder; tests that write (runs, caches) copy the
+dataset first or write next to it.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+from learn_envs import SPEC
+
+EPISODES = 200
+BEHAVIOUR = "noisy:0.7"
+K = 0  # the ColorLock observation is the whole state; k = 0 keeps the texts to a few dozen
+
+
+@functools.cache
+def root() -> Path:
+    return Path(tempfile.mkdtemp(prefix="offline-agent-learn-tests-"))
+
+
+@functools.cache
+def encoder():
+    from offline_agent.embed import TextEncoder
+
+    return TextEncoder()
+
+
+@functools.cache
+def color_lock_dataset() -> Path:
+    """ColorLock logs of the noisy expert, ingested; its embedding cache is filled by the first features."""
+    from offline_agent.ingest import ingest
+    from offline_agent.simulate import simulate
+
+    logs = root() / "color_lock.jsonl"
+    simulate(SPEC, EPISODES, BEHAVIOUR, 0, logs)
+    out = root() / "color_lock"
+    ingest([logs], out)
+    return out
+
+
+@functools.cache
+def color_lock_features():
+    from offline_agent.learn.features import build_features
+
+    return build_features(color_lock_dataset(), encoder(), k=K)
+
+
+def fresh_copy(to: Path) -> Path:
+    """A copy of the dataset (with its filled embedding cache) that a test may write into."""
+    color_lock_features()
+    shutil.copytree(color_lock_dataset(), to)
+    return to

@@ -1,0 +1,382 @@
+"""The offline learner: exact values of every loss, batches, configs, "it learns", determinism, checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import learn_data
+import numpy as np
+import pytest
+import torch
+from learn_envs import SPEC
+
+from offline_agent.errors import UserError
+from offline_agent.learn.bc import BCConfig, bc_loss, top_episode_rows, train_bc
+from offline_agent.learn.cql import (
+    METRICS,
+    CQLConfig,
+    conservative_penalty,
+    cql_loss,
+    double_q_target,
+    policy_probs,
+    train_cql,
+)
+from offline_agent.learn.d3rlpy_bridge import D3rlpyCQLConfig, train_d3rlpy_cql
+from offline_agent.learn.features import make_batch
+from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation, fqe_target
+from offline_agent.learn.networks import QHead, QNetwork, VocabQNetwork
+from offline_agent.learn.policy import Policy, load_checkpoint, save_checkpoint
+from offline_agent.learn.train import make_config, train
+
+T = torch.tensor
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # Two cores shared by several test processes: one thread per process is faster than contention.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# --- exact values on hand-built tensors --------------------------------------------------------------
+
+
+def test_double_q_target_takes_the_argmax_of_the_online_net_and_the_value_of_the_target_net():
+    reward, done = T([1.0, 0.5]), T([0.0, 1.0])
+    online = T([[1.0, 3.0, 2.0], [5.0, 0.0, 0.0]])
+    target = T([[10.0, 20.0, 30.0], [7.0, 7.0, 7.0]])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    y = double_q_target(reward, done, 0.5, online, target, mask)
+    # row 0: online argmax is slot 1, the target says 20 there (not its own max 30); row 1 is terminal
+    assert torch.equal(y, T([1.0 + 0.5 * 20.0, 0.5]))
+    mask[0, 1] = False  # a masked slot can never be a*
+    assert double_q_target(reward, done, 0.5, online, target, mask)[0] == 1.0 + 0.5 * 30.0
+
+
+def test_double_q_target_ignores_the_next_state_of_a_terminal_row_even_if_it_is_all_padding():
+    y = double_q_target(T([2.0]), T([1.0]), 0.9, T([[0.0]]), T([[float("-inf")]]), T([[False]]))
+    assert torch.equal(y, T([2.0]))
+
+
+def test_conservative_penalty_is_logsumexp_over_candidates_and_the_data_action_minus_its_value():
+    q_data = T([1.0, 0.0])
+    q_cand = T([[0.0, 2.0, 5.0], [1.0, 1.0, 1.0]])
+    mask = T([[True, True, False], [True, False, False]])
+    penalty = conservative_penalty(q_data, q_cand, mask)
+    expected = [math.log(math.e + 1 + math.e**2) - 1.0, math.log(1 + math.e)]
+    assert torch.allclose(penalty, T(expected))
+    # no other candidate: logsumexp over {a} alone is Q(s, a), so nothing is pushed
+    assert conservative_penalty(T([3.0]), T([[9.0]]), T([[False]])).item() == 0.0
+
+
+def test_cal_ql_floors_the_pushed_down_values_at_the_monte_carlo_return():
+    q_data, q_cand, mask = T([1.0]), T([[0.0, 2.0, 5.0]]), T([[True, True, False]])
+    floored = conservative_penalty(q_data, q_cand, mask, floor=T([1.5]))
+    # max(0, 1.5) = 1.5, max(2, 1.5) = 2, the masked slot stays out; the data action is never floored
+    assert torch.allclose(floored, T([math.log(math.e + math.e**1.5 + math.e**2) - 1.0]))
+    assert floored > conservative_penalty(q_data, q_cand, mask)
+
+
+def test_the_penalty_broadcasts_over_heads():
+    q_data = T([[1.0], [2.0]])  # (K, B)
+    q_cand = T([[[0.0, 2.0]], [[1.0, 1.0]]])  # (K, B, C)
+    both = conservative_penalty(q_data, q_cand, T([[True, True]]))
+    one = [conservative_penalty(q_data[k], q_cand[k], T([[True, True]])) for k in range(2)]
+    assert torch.allclose(both, torch.stack(one))
+
+
+def test_policy_is_a_softmax_of_q_over_tau_on_valid_candidates():
+    probs = policy_probs(T([[1.0, 2.0, 9.0]]), T([[True, True, False]]), tau=0.5)
+    e1, e2 = math.exp(2.0), math.exp(4.0)
+    assert torch.allclose(probs, T([[e1 / (e1 + e2), e2 / (e1 + e2), 0.0]]))
+
+
+def test_bc_loss_is_the_cross_entropy_of_the_logged_action():
+    loss = bc_loss(T([2.0]), T([[0.0, 1.0]]), T([[True, True]]))
+    assert torch.allclose(loss, T([-math.log(math.e**2 / (math.e**2 + 1 + math.e))]))
+
+
+def test_fqe_target_follows_the_evaluated_policy_at_the_next_state():
+    y = fqe_target(T([1.0, 1.0]), T([0.0, 1.0]), 0.5, T([[2.0, 4.0, float("-inf")], [9.0, 9.0, 9.0]]),
+                   T([[0.25, 0.75, 0.0], [0.5, 0.5, 0.0]]))
+    assert torch.allclose(y, T([1.0 + 0.5 * (0.5 + 3.0), 1.0]))
+
+
+def test_the_first_layer_of_a_q_head_is_a_linear_map_of_the_concatenation():
+    torch.manual_seed(0)
+    head = QHead(dim=5, hidden=7)
+    s, a = torch.randn(3, 5), torch.randn(3, 4, 5)
+    weight = torch.cat([head.w_state.weight, head.w_action.weight, head.w_product.weight], 1)  # (H, 3D)
+    x = torch.cat([s[:, None, :].expand(-1, 4, -1), a, s[:, None, :] * a], -1)  # (B, C, 3D)
+    expected = head.mlp(x @ weight.T + head.w_state.bias).squeeze(-1)
+    assert torch.allclose(head(s, a), expected, atol=1e-5)
+
+
+def test_q_values_are_the_min_over_heads_and_minus_infinity_in_masked_slots():
+    torch.manual_seed(0)
+    net = QNetwork(dim=6, hidden=8, n_heads=2)
+    s, a = torch.randn(2, 6), torch.randn(2, 3, 6)
+    mask = T([[True, True, False], [True, True, True]])
+    q = net.q_values(s, a, mask)
+    heads = net.all_heads(s, a)
+    assert q[0, 2] == float("-inf")
+    assert torch.allclose(q[1], heads[:, 1].min(0).values)
+
+
+# --- batches and features ------------------------------------------------------------------------------
+
+
+def test_a_batch_leaves_the_data_action_out_of_its_candidates_and_offers_the_next_logged_action():
+    f = learn_data.color_lock_features()
+    assert f.has_candidates.all() and f.n_actions == 4 and f.candidate_ids.shape[1] == 4
+    rows = torch.arange(f.n_steps)
+    batch = make_batch(f, rows, torch.Generator().manual_seed(0))
+    # ColorLock offers every button each step: the other 3 are candidates, the data action is masked
+    assert batch.cand_mask.sum(1).eq(3).all()
+    assert not (batch.cand_ids.masked_fill(~batch.cand_mask, -1) == batch.action_id[:, None]).any()
+    last = f.next_index < 0
+    assert torch.equal(batch.done.bool(), f.terminated | last)
+    # the next action is already among the next step's candidates, so its extra slot is masked
+    assert batch.next_mask[:, :4].sum(1).eq(4).all() and not batch.next_mask[:, 4].any()
+
+
+def test_steps_without_logged_candidates_get_sampled_ones():
+    f = learn_data.color_lock_features()
+    g = dataclasses.replace(f, has_candidates=torch.zeros_like(f.has_candidates))
+    batch = make_batch(g, torch.arange(32), torch.Generator().manual_seed(0), n_sampled=6)
+    assert batch.cand_ids.shape == (32, 6) and (batch.cand_ids >= 0).all()
+    assert (batch.cand_ids < f.n_actions).all()
+
+
+def test_filtered_bc_keeps_the_top_episodes_by_return_with_ties():
+    f = learn_data.color_lock_features()
+    rows = f.rows("train")
+    kept = top_episode_rows(f, rows, 0.2)
+    returns = f.episode_return[f.episode_index[kept]]
+    assert 0 < kept.numel() < rows.numel() and (returns == 1.0).all()  # successes all return 1: all kept
+    assert torch.equal(top_episode_rows(f, rows, 1.0), rows)
+
+
+# --- configs --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda: CQLConfig(alpha=-1.0), r"alpha must be >= 0, got -1.0: use e.g. --alpha 1.0"),
+        (lambda: CQLConfig(tau=0.0), r"tau \(policy temperature\) must be > 0, got 0.0"),
+        (lambda: CQLConfig(gamma=1.5), r"gamma must be in \[0, 1\], got 1.5"),
+        (lambda: CQLConfig(steps=0), r"steps must be >= 1, got 0; e.g. --steps 2000"),
+        (lambda: CQLConfig(device="tpu"), r"device must be cpu, cuda or cuda:N, got 'tpu'"),
+        (lambda: BCConfig(filter_fraction=0.0), r"filter_fraction must be in \(0, 1\], got 0.0"),
+        (lambda: D3rlpyCQLConfig(alpha=-2.0), r"alpha must be >= 0, got -2.0"),
+        (lambda: FQEConfig(split="holdout"), r"split must be one of train, valid, test, got 'holdout'"),
+        (lambda: make_config("sac"), r"unknown algorithm 'sac': use --algo one of cql, bc, filtered-bc, d3rlpy-cql"),
+        (lambda: make_config("bc", cal_ql=True), r"--algo bc has no setting cal_ql"),
+    ],
+)
+def test_bad_configs_are_one_line_user_errors(make, match):
+    with pytest.raises(UserError, match=match) as info:
+        make()
+    assert "\n" not in str(info.value)
+
+
+def test_a_dataset_without_actions_is_a_user_error(tmp_path):
+    from offline_agent.dataset import write_dataset
+    from offline_agent.learn.features import build_features
+    from offline_agent.schema import EPISODES_SCHEMA, STEPS_SCHEMA
+
+    empty = write_dataset(tmp_path / "empty", STEPS_SCHEMA.empty_table(), EPISODES_SCHEMA.empty_table(), None, {})
+    with pytest.raises(UserError, match=r"has no actions \(0 steps\)"):
+        build_features(empty, learn_data.encoder())
+
+
+def test_alpha_with_bc_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match=r"--algo bc has none: drop --alpha"):
+        train(learn_data.color_lock_dataset(), "bc", tmp_path / "run", alpha=1.0)
+
+
+# --- training ---------------------------------------------------------------------------------------------
+
+FAST = {"steps": 300, "batch_size": 64, "hidden": 64, "learning_rate": 1e-3, "target_update_rate": 0.02}
+
+
+def _success(network, episodes: int = 60) -> float:
+    from offline_agent.evaluate import rollout_policy
+
+    meta = {"algo": "test", "tau": 0.1, "k": learn_data.K, "max_tokens": 256}
+    policy = Policy(network, learn_data.encoder(), meta)
+    outcomes = rollout_policy(SPEC, policy, episodes, seed=123)
+    return sum(o.success for o in outcomes) / episodes
+
+
+def test_cql_learns_to_open_the_lock_far_better_than_random():
+    from offline_agent.evaluate import rollout_policy
+
+    f = learn_data.color_lock_features()
+    net, history = train_cql(f, CQLConfig(**FAST, log_every=50))
+    assert [r["step"] for r in history] == [50, 100, 150, 200, 250, 300]
+    assert set(METRICS) <= set(history[-1])
+    assert history[-1]["q/ood_gap"] > 0.1  # the logged (mostly right) buttons are valued above the others
+    random = rollout_policy(SPEC, "behaviour:random", 200, seed=123)
+    random_rate = sum(o.success for o in random) / 200
+    learned = _success(net)
+    assert random_rate < 0.3 and learned >= 0.9, (random_rate, learned)
+
+
+def test_every_trainable_parameter_changes_in_a_step():
+    f = learn_data.color_lock_features()
+    torch.manual_seed(0)
+    net = QNetwork(f.dim, hidden=16, n_heads=2, state_adapter=True, action_adapter=True)
+    target = QNetwork(f.dim, hidden=16, n_heads=2, state_adapter=True, action_adapter=True)
+    target.load_state_dict(net.state_dict())
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
+    batch = make_batch(f, torch.arange(64), torch.Generator().manual_seed(0))
+    for _ in range(2):  # an adapter's zero-initialised output layer lets gradients reach its input layer
+        loss = cql_loss(net, target, batch, CQLConfig())
+        optimizer.zero_grad()
+        loss.total.backward()
+        optimizer.step()
+    unchanged = [n for n, p in net.named_parameters() if torch.equal(p, before[n])]
+    assert unchanged == []
+
+
+def test_training_is_deterministic_under_a_seed():
+    f = learn_data.color_lock_features()
+    config = {"steps": 20, "batch_size": 32, "hidden": 32, "log_every": 5, "seed": 7}
+    a = train_cql(f, CQLConfig(**config))[1]
+    b = train_cql(f, CQLConfig(**config))[1]
+    c = train_cql(f, CQLConfig(**{**config, "seed": 8}))[1]
+    assert a == b and a != c
+    assert train_bc(f, BCConfig(steps=10, batch_size=16, hidden=16, seed=3))[1] == \
+        train_bc(f, BCConfig(steps=10, batch_size=16, hidden=16, seed=3))[1]
+
+
+def test_bc_and_filtered_bc_learn_from_the_logs():
+    f = learn_data.color_lock_features()
+    fast = {"steps": 300, "batch_size": 64, "hidden": 64, "learning_rate": 1e-3}
+    net, history = train_bc(f, BCConfig(**fast, filter_fraction=0.2))
+    assert history[-1]["policy/data_prob"] > 0.3  # above uniform (0.25): successful episodes err less
+    assert _success(net) >= 0.8
+
+
+def test_d3rlpy_cql_trains_on_the_same_features_writes_no_logs_and_exports_without_pickle(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    f = learn_data.color_lock_features()
+    net, history = train_d3rlpy_cql(f, D3rlpyCQLConfig(steps=200, batch_size=64, hidden=64, log_every=50,
+                                                       learning_rate=1e-3, target_update_interval=50))
+    assert list(tmp_path.iterdir()) == []  # no ./d3rlpy_logs
+    assert [r["step"] for r in history] == [50, 100, 150, 200] and {"loss/td", "loss/cql"} <= set(history[-1])
+    assert isinstance(net, VocabQNetwork) and torch.equal(net.vocab_emb, f.action_emb)
+    # candidates map to their own vocabulary entry; order of the candidates does not matter
+    cand = f.action_emb[[3, 0, 2]][None]  # (1, 3, D)
+    assert torch.equal(net.nearest_action(cand), T([[3, 0, 2]]))
+    assert _success(net) >= 0.6
+
+
+# --- checkpoints and the policy -------------------------------------------------------------------------
+
+
+def test_save_and_load_give_identical_scores_for_every_network_kind(tmp_path):
+    f = learn_data.color_lock_features()
+    enc = learn_data.encoder()
+    meta = {"algo": "cql", "tau": 0.1, "k": 0, "max_tokens": 256,
+            "encoder": {"id": enc.id, "path": enc.path, "dim": enc.dim, "max_length": enc.max_length}}
+    torch.manual_seed(0)
+    for i, net in enumerate([QNetwork(f.dim, 32, 2, state_adapter=True), VocabQNetwork(f.dim, f.n_actions, 32)]):
+        if isinstance(net, VocabQNetwork):
+            net.vocab_emb.copy_(f.action_emb)
+        run = tmp_path / f"run{i}"
+        save_checkpoint(run, net, meta)
+        assert sorted(p.name for p in run.iterdir()) == ["policy.json", "policy.safetensors"]
+        loaded, loaded_meta = load_checkpoint(run / "policy.json")
+        assert loaded_meta["network"] == net.config()
+        before = Policy(net, enc, meta)
+        after = Policy.load(run, encoder=enc)
+        state = "Task: open it\n[obs] Panel 1 of 3 shows RED."
+        cands = [{"name": "press", "arguments": {"color": c}} for c in ("red", "blue")] + ['{"name":"x"}']
+        assert np.array_equal(before.score(state, cands), after.score(state, cands))
+        probs = after.probabilities(state, cands)
+        assert probs.shape == (3,) and abs(probs.sum() - 1) < 1e-6
+
+
+def test_a_checkpoint_from_another_encoder_is_refused(tmp_path):
+    enc = learn_data.encoder()
+    meta = {"algo": "cql", "tau": 0.1, "k": 0, "max_tokens": None,
+            "encoder": {"id": "some-other-model-0123456789ab", "path": "/nowhere", "dim": enc.dim, "max_length": 256}}
+    save_checkpoint(tmp_path / "run", QNetwork(enc.dim, 8), meta)
+    with pytest.raises(UserError, match=r"trained on embeddings of encoder some-other-model-0123456789ab"):
+        Policy.load(tmp_path / "run", encoder=enc)
+    with pytest.raises(UserError, match=r"holds no policy checkpoint"):
+        Policy.load(tmp_path)
+
+
+def test_the_policy_renders_states_as_the_training_data_did():
+    """The state text a Policy builds while playing is the text dataset_texts rendered from the logs."""
+    from offline_agent.embed import dataset_texts
+    from offline_agent.envs.loading import make_env
+    from offline_agent.envs.policies import make_policy
+    from offline_agent.simulate import episode_seed
+
+    logged = dataset_texts(learn_data.color_lock_dataset(), k=2).states
+    env = make_env(SPEC)
+    behaviour = make_policy(learn_data.BEHAVIOUR, 0)
+    policy = Policy(QNetwork(learn_data.encoder().dim, 8), learn_data.encoder(), {"k": 2, "max_tokens": None})
+    obs, info = env.reset(seed=episode_seed(0, 0))
+    policy.reset(info["task"])
+    rendered = []
+    for _ in range(3):
+        rendered.append(policy.render(policy.history, obs["text"]))
+        index = behaviour(env, obs)
+        policy.history.turns.append((obs["text"], policy_text(obs["candidates"][index])))
+        obs, _, terminated, truncated, _ = env.step(index)
+        if terminated or truncated:
+            break
+    assert set(rendered) <= set(logged)
+
+
+def policy_text(candidate):
+    from offline_agent.actions import canonical_action
+
+    return canonical_action(candidate)
+
+
+# --- FQE --------------------------------------------------------------------------------------------------
+
+
+def test_fqe_values_a_good_policy_above_the_logged_behaviour():
+    f = learn_data.color_lock_features()
+    net, _ = train_cql(f, CQLConfig(**FAST))
+    result = fitted_q_evaluation(f, net, FQEConfig(steps=300, batch_size=64, hidden=64, learning_rate=1e-3,
+                                                   target_update_rate=0.02, split="test", log_every=100))
+    assert result.episodes == int((f.episode_split == 2).sum()) and len(result.history) == 3
+    # the greedy policy opens ~every lock in 3 steps: V ~ 0.99^2; the noisy behaviour about half of them
+    assert result.value > result.behaviour_value and 0.6 < result.value < 1.1, result
+
+
+def test_train_writes_a_run_folder_and_hits_the_embedding_cache_the_second_time(tmp_path):
+    import polars as pl
+
+    dataset = learn_data.fresh_copy(tmp_path / "ds")
+    enc = learn_data.encoder()
+    first = train(dataset, "cql", tmp_path / "run", steps=20, batch_size=16, encoder=enc, k=0,
+                  settings={"hidden": 16, "log_every": 5})
+    assert first.cache_misses == 0  # fresh_copy carries the cache the shared features filled
+    (dataset / "embeddings").rename(tmp_path / "moved-cache")
+    again = train(dataset, "cql", tmp_path / "run2", steps=20, batch_size=16, encoder=enc, k=0,
+                  settings={"hidden": 16, "log_every": 5})
+    assert again.cache_misses > 0 and again.cache_hits == 0
+    third = train(dataset, "cql", tmp_path / "run3", steps=20, batch_size=16, encoder=enc, k=0,
+                  settings={"hidden": 16, "log_every": 5})
+    assert third.cache_misses == 0 and third.cache_hits == again.cache_misses
+    metrics = pl.read_parquet(tmp_path / "run" / "metrics.parquet")
+    assert metrics["step"].to_list() == [5, 10, 15, 20] and set(METRICS) <= set(metrics.columns)
+    assert metrics.equals(pl.read_parquet(tmp_path / "run2" / "metrics.parquet"))  # same seed, same run
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert names == ["curves.png", "metrics.parquet", "policy.json", "policy.safetensors", "train.json"]
+    with pytest.raises(UserError, match=r"already holds a trained policy: choose another --out, or pass --overwrite"):
+        train(dataset, "cql", tmp_path / "run", steps=5, encoder=enc, k=0)
