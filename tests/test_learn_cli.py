@@ -1,0 +1,118 @@
+"""The `train` and `evaluate` verbs end to end, their errors, and evaluate's pure functions."""
+
+from __future__ import annotations
+
+import json
+
+import learn_data
+import polars as pl
+import pytest
+import torch
+from learn_envs import SPEC
+from typer.testing import CliRunner
+
+from offline_agent.cli import app
+from offline_agent.evaluate import EpisodeOutcome, recovery_lengths, summarize, wilson_interval
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return learn_data.fresh_copy(tmp_path_factory.mktemp("cli") / "color_lock")
+
+
+# --- pure functions ------------------------------------------------------------------------------------
+
+
+def test_wilson_interval_exact_values():
+    assert wilson_interval(8, 10) == pytest.approx((0.4901568467, 0.9433190520), abs=1e-9)
+    assert wilson_interval(0, 20) == pytest.approx((0.0, 0.1611301255), abs=1e-9)
+    assert wilson_interval(50, 100) == pytest.approx((0.4038298286, 0.5961701714), abs=1e-9)
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def test_recovery_lengths_count_steps_from_an_error_to_the_next_clean_step():
+    assert recovery_lengths([False, True, False]) == ([1], 0)
+    assert recovery_lengths([True, True, False, True, False, True]) == ([2, 1], 1)
+    assert recovery_lengths([]) == ([], 0)
+
+
+def test_summarize_reports_rates_intervals_and_recovery():
+    outcomes = [
+        EpisodeOutcome(0, True, 1.0, 0.98, 3, (False, True, False)),
+        EpisodeOutcome(1, False, 0.0, 0.0, 2, (True, True)),
+    ]
+    report = summarize(outcomes, "p", "e", 0.99)
+    assert report.success_rate == 0.5 and report.ci95 == wilson_interval(1, 2)
+    assert report.mean_steps == 2.5 and report.error_rate == 3 / 5
+    assert (report.recoveries, report.unrecovered, report.mean_retries_to_recover) == (1, 1, 1.0)
+    assert json.loads(json.dumps(report.to_dict()))["ci95"] == list(report.ci95)
+
+
+# --- the verbs --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algo", ["cql", "bc", "filtered-bc", "d3rlpy-cql"])
+def test_train_then_evaluate_every_algorithm(algo, dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may be written to the working directory
+    run = tmp_path / "run"
+    result = runner.invoke(
+        app, ["train", str(dataset), "--algo", algo, "--out", str(run), "--steps", "20", "--batch-size", "16",
+              "--seed", "1", "--k", "0"],
+    )
+    assert result.exit_code == 0, result.output
+    assert f"trained {algo} for 20 steps" in result.output and ", 0 encoded)" in result.output
+    assert (run / "curves.png").stat().st_size > 1000
+    assert pl.read_parquet(run / "metrics.parquet")["step"].max() == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    result = runner.invoke(app, ["evaluate", str(run), "--env", SPEC, "--episodes", "6", "--seed", "3", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["episodes"] == 6 and 0 <= report["ci95"][0] <= report["success_rate"] <= report["ci95"][1]
+    assert {"mean_return", "mean_steps", "mean_retries_to_recover"} <= set(report)
+
+
+def test_evaluate_prints_a_summary_and_estimates_fqe_on_held_out_logs(dataset, tmp_path):
+    run = tmp_path / "run"
+    assert runner.invoke(app, ["train", str(dataset), "--out", str(run), "--steps", "10", "--k", "0"]).exit_code == 0
+    result = runner.invoke(app, ["evaluate", str(run), "--env", SPEC, "-n", "4", "--dataset", str(dataset),
+                                 "--fqe-steps", "20"])
+    assert result.exit_code == 0, result.output
+    assert "cql" in result.stdout and "success rate" in result.stdout and "95% CI" in result.stdout
+    assert "FQE on" in result.stdout and "held-out episodes" in result.stdout
+
+
+def test_evaluate_a_behaviour_policy_spec():
+    result = runner.invoke(app, ["evaluate", "behaviour:expert", "--env", SPEC, "-n", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["success_rate"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "{ds}", "--out", "{tmp}/r", "--alpha", "-1"], "alpha must be >= 0, got -1.0"),
+        (["train", "{ds}", "--out", "{tmp}/r", "--algo", "sac"], "unknown algorithm 'sac'"),
+        (["train", "{tmp}/missing", "--out", "{tmp}/r"], "is not a dataset"),
+        (["train", "{ds}", "--out", "{tmp}/r", "--algo", "bc", "--alpha", "1"], "drop --alpha"),
+        (["evaluate", "{tmp}", "--env", SPEC], "holds no policy checkpoint"),
+        (["evaluate", "{tmp}"], "evaluate needs --env ENV"),
+        (["evaluate", "behaviour:sometimes", "--env", SPEC], "unknown policy 'sometimes'"),
+        (["evaluate", "behaviour:expert", "--env", "no_such_module:env"], "cannot import module"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args, message, dataset, tmp_path):
+    args = [a.format(ds=dataset, tmp=tmp_path) for a in args]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
