@@ -7,7 +7,7 @@ The run folder RUN2 holds
                                       RUN; policy.json also keeps the safety rules ("safety") it was tuned under
     metrics.parquet                   one row per iteration (names in `ppo.METRICS`), readable with DuckDB
     curves.png                        success rate, return, KL and beta against iterations
-    resume.safetensors                the resume state (below); written every `checkpoint_every` iterations
+    resume.safetensors                the resume state (below); written every `config.checkpoint_every` iterations
     finetune.json                     source run, environment, config, safety rules, final metrics, time
 
 Resume state: one safetensors file, replaced atomically (tmp + os.replace), with
@@ -15,8 +15,10 @@ the model (policy and value heads), the Adam state, every random-number state
 (torch's global RNG and the trainer's generator as uint8 tensors, numpy's and
 Python's global RNGs) and, in its JSON metadata, the iteration, env steps, the
 KL controller and the settings that must not change across a resume. Nothing is
-unpickled. Environments need no saved state: they are re-seeded from (seed,
-iteration) at every iteration start. The run is made deterministic (torch's
+unpickled. Environments need no saved state: checkpoints are taken exactly where
+the trainer re-seeds them from (seed, iteration) and resets them. (A finished run resumed with more
+`--iterations` resets them where it had stopped, so it is not bit-identical to a run that was longer from the
+start; an interrupted run is.) The run is made deterministic (torch's
 deterministic algorithms, a fixed thread count), so `--resume` after a kill
 finishes with the same parameters, bit for bit, as a run that was never
 interrupted.
@@ -76,7 +78,6 @@ def finetune(
     safety: str | Sequence[str] | None = None,
     resume: bool = False,
     overwrite: bool = False,
-    checkpoint_every: int = 5,
     encoder: Any = None,
     progress: bool = False,
     on_iteration: OnIteration | None = None,
@@ -89,8 +90,6 @@ def finetune(
     from offline_agent.learn.policy import CONFIG_FILE, Policy, checkpoint_dir, save_checkpoint
 
     config = config or PPOConfig()
-    if checkpoint_every < 1:
-        raise UserError(f"--checkpoint-every must be >= 1, got {checkpoint_every}")
     source = checkpoint_dir(run)
     out = Path(out)
     if out.resolve() == source.resolve():
@@ -143,7 +142,7 @@ def finetune(
                     if on_iteration is not None:
                         on_iteration(row)
                     advance(row)
-                    if trainer.iteration % checkpoint_every == 0 or trainer.iteration == config.iterations:
+                    if trainer.iteration % config.checkpoint_every == 0 or trainer.iteration == config.iterations:
                         save_checkpoint(out, trainer.model.policy_head, meta)
                         save_state(state_path, trainer, identity)
         finally:
@@ -185,15 +184,22 @@ def _policy_meta(
 
 @contextmanager
 def deterministic_torch(threads: int) -> Iterator[None]:
-    """Deterministic kernels and a fixed thread count for the duration (both are process-wide settings)."""
+    """Deterministic kernels and a fixed thread count for the duration (both are process-wide settings).
+
+    On CPU every kernel this stage uses has a deterministic implementation. On CUDA, cuBLAS needs a fixed
+    workspace (set here unless the user set one), and an op without a deterministic kernel warns instead of
+    failing the run: bit-exact resume is guaranteed on CPU, best effort on a GPU.
+    """
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     old_threads, old_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
     torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield
     finally:
         torch.set_num_threads(old_threads)
-        torch.use_deterministic_algorithms(old_deterministic)
+        torch.use_deterministic_algorithms(old_deterministic, warn_only=old_warn)
 
 
 # --- resume state ------------------------------------------------------------------------------------

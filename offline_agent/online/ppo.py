@@ -17,9 +17,11 @@ measured (benchmarks/online.py, Logistics-v0, MiniLM, 4 envs, 8 iterations of
 256 steps, seed 0): FILLED IN BELOW FROM THE BENCHMARK.
 
 Determinism: sampling and minibatch order use one seeded `torch.Generator`;
-environments are re-seeded from (seed, iteration) and reset at the start of
-every iteration (a partial episode at the end of a rollout is bootstrapped with
-V and dropped), so no environment state has to survive a checkpoint; each text
+episodes run on across iterations, but every `checkpoint_every` iterations (and
+only there) the environments are re-seeded from (seed, iteration) and reset (an
+episode cut there is bootstrapped with V), so no environment state has to
+survive a checkpoint and a resumed run resets exactly where the uninterrupted
+one did; each text
 is embedded alone, never in a padded batch, so its vector does not depend on
 which other texts happened to be new at the same step (after a resume the
 in-memory cache is empty and the new-text batches differ). With those, a resumed
@@ -109,6 +111,10 @@ class PPOConfig:
     from_scratch: bool = field(
         default=False, metadata={"help": "re-initialise the policy head (the PPO-from-scratch baseline)"}
     )
+    checkpoint_every: int = field(
+        default=5,
+        metadata={"help": "iterations between resumable checkpoints; the environments are re-seeded and reset there"},
+    )
     seed: int = field(default=0, metadata={"help": "seed of sampling, minibatches and environments"})
     vector: VectorMode = field(default="auto", metadata={"help": "auto | sync | process environments"})
     torch_threads: int = field(default=1, metadata={"help": "torch intra-op threads (fixed: results depend on it)"})
@@ -126,6 +132,7 @@ class PPOConfig:
         if self.beta is None and self.target_kl is None:
             self.target_kl = DEFAULT_TARGET_KL
         positive = ("iterations", "num_envs", "num_steps", "update_epochs", "num_minibatches", "kl_horizon")
+        positive += ("checkpoint_every",)
         for name in positive + ("value_hidden", "torch_threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -356,6 +363,9 @@ class PPOTrainer:
         self.generator = torch.Generator().manual_seed(c.seed)
         self.iteration = 0
         self.env_steps = 0
+        self.observations: list[dict[str, Any]] | None = None  # what to act on next; None = reset first
+        self.running_return = np.zeros(c.num_envs)
+        self.running_length = np.zeros(c.num_envs, dtype=np.int64)
         self.envs = make_vector_env(env_spec, c.num_envs, self.safety.specs, c.vector)
         self.featurizer = Featurizer(reference, c.num_envs, self.envs.max_candidates)
         T, N, C, D = c.num_steps, c.num_envs, self.envs.max_candidates, int(reference.encoder.dim)
@@ -407,7 +417,7 @@ class PPOTrainer:
         beta = self.kl_controller.beta
         stats = self.collect_rollout(beta)
         with torch.no_grad():
-            state, cands, mask = self.featurizer.tensors(self.next_observations)
+            state, cands, mask = self.featurizer.tensors(self.observations)
             ref_q = self.reference_net.q_values(state, cands, mask)
             ref_value = expected_value(masked_log_softmax(ref_q / self.tau, mask), ref_q, mask)
             next_value = self.model.value(state, ref_value)
@@ -432,13 +442,14 @@ class PPOTrainer:
     def collect_rollout(self, beta: float) -> dict[str, float]:
         """Fill the storage with `num_steps` steps of each environment; returns episode and safety statistics."""
         c, f = self.config, self.featurizer
-        observations, reset_infos = self.envs.reset(self.env_seeds(self.iteration))
         blocked: dict[str, int] = dict.fromkeys(self.safety_metric_names(), 0)
-        for i, info in enumerate(reset_infos):
-            f.start(i, _task_of(info, observations[i]))
-            _count_blocked(blocked, info)
-        running_return = np.zeros(c.num_envs)
-        running_length = np.zeros(c.num_envs, dtype=np.int64)
+        if self.observations is None or self.iteration % c.checkpoint_every == 0:
+            self.observations, reset_infos = self.envs.reset(self.env_seeds(self.iteration))
+            for i, info in enumerate(reset_infos):
+                f.start(i, _task_of(info, self.observations[i]))
+                _count_blocked(blocked, info)
+            self.running_return[:], self.running_length[:] = 0.0, 0
+        observations, running_return, running_length = self.observations, self.running_return, self.running_length
         successes, episode_returns, episode_lengths, safety_truncated = [], [], [], 0
         for t in range(c.num_steps):
             state, cands, mask = f.tensors(observations)
@@ -467,7 +478,7 @@ class PPOTrainer:
                 f.start(i, _task_of(step.reset_infos[i], step.observations[i]))
                 _count_blocked(blocked, step.reset_infos[i])
             observations = step.observations
-        self.next_observations = observations
+        self.observations = observations
         nan = float("nan")
         return {
             "charts/success_rate": float(np.mean(successes)) if successes else nan,
