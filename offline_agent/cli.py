@@ -315,6 +315,170 @@ def simulate_command(
     )
 
 
+# --- report: one self-contained HTML page per run or demo folder (offline_agent/report.py) ----------------
+
+
+@app.command("report")
+def report_command(
+    run: str = typer.Argument(..., help="run folder (offline or fine-tune run) or a demo folder holding several"),
+    out: str | None = typer.Option(None, "--out", "-o", help="HTML file to write (default: RUN/report.html)"),
+    dataset: str | None = typer.Option(
+        None, "--dataset", help="dataset folder to summarise (default: the one the runs' configs name)"
+    ),
+) -> None:
+    """Write one HTML page: dataset summary, training and fine-tuning curves, evaluation table."""
+    from offline_agent.report import write_report
+
+    path = write_report(run, out=out, dataset=dataset)
+    typer.echo(f"wrote {path}")
+
+
+# --- end report ---------------------------------------------------------------------------------------------
+
+
+# --- finetune: PPO + KL to the offline policy in simulated envs (offline_agent/online/) ---------------------
+
+
+@app.command("finetune")
+def finetune_command(
+    run: str = typer.Argument(..., help="offline checkpoint (run folder or its policy.json)"),
+    env: str = typer.Option(..., "--env", help="registered env id (offline_agent/Logistics-v0) or module:factory"),
+    out: str = typer.Option(..., "--out", "-o", help="run folder of the fine-tuned policy"),
+    num_envs: int = typer.Option(4, "--num-envs", help="environments stepped in parallel"),
+    iterations: int = typer.Option(20, "--iterations", help="rollout + update iterations"),
+    num_steps: int = typer.Option(128, "--num-steps", help="steps per environment per iteration"),
+    target_kl: float | None = typer.Option(None, "--target-kl", help="adapt beta to this KL per step [default: 0.05]"),
+    beta: float | None = typer.Option(None, "--beta", help="fixed KL weight instead of --target-kl (0 = no KL)"),
+    safety: list[str] = typer.Option(
+        [], "--safety", help="deny:TOOL,.. | regex:PATTERN | callable:mod:fn (join with ';' or repeat)"
+    ),
+    seed: int = typer.Option(0, "--seed", help="seed of sampling, minibatches and environments"),
+    learning_rate: float = typer.Option(1e-4, "--learning-rate", help="Adam learning rate"),
+    checkpoint_every: int = typer.Option(
+        5, "--checkpoint-every", help="resumable checkpoint (and env reset) every N iterations"
+    ),
+    resume: bool = typer.Option(False, "--resume", help="continue OUT from its last checkpoint"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace a run already in OUT"),
+    vector: str = typer.Option("auto", "--vector", help="auto | sync | process environments"),
+    encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: RUN's own]"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+    from_scratch: bool = typer.Option(False, "--from-scratch", help="re-initialise the policy (baseline)"),
+) -> None:
+    """Fine-tune an offline policy online with PPO, kept near it by a KL penalty, behind a safety filter."""
+    from offline_agent.online.finetune import finetune
+    from offline_agent.online.ppo import PPOConfig
+
+    config = PPOConfig(
+        iterations=iterations, num_envs=num_envs, num_steps=num_steps, target_kl=target_kl, beta=beta, seed=seed,
+        learning_rate=learning_rate, vector=vector, device=device, from_scratch=from_scratch,
+        checkpoint_every=checkpoint_every,
+    )
+    result = finetune(
+        run, env, out, config, safety=safety, resume=resume, overwrite=overwrite, encoder=encoder,
+        progress=sys.stderr.isatty(),
+    )
+    m = result.final_metrics
+    console.print(
+        f"fine-tuned {result.iterations} iterations ({result.env_steps} env steps"
+        + (f", resumed after iteration {result.resumed_from}" if result.resumed_from is not None else "")
+        + f") -> {result.run_dir}: success rate {m.get('charts/success_rate', float('nan')):.3f}, "
+        f"KL {m.get('objective/kl', float('nan')):.4f}, beta {m.get('objective/beta', float('nan')):.4f}, "
+        f"blocked {int(m.get('safety/blocked', 0))}",
+        highlight=False,
+    )
+
+
+# --- end finetune -------------------------------------------------------------------------------------------
+
+
+# --- learn: train, evaluate (offline_agent/learn/, offline_agent/evaluate.py) --------------------------------
+
+
+@app.command("train")
+def train_command(
+    dataset: str = typer.Argument(..., help="dataset folder (from `offline-agent ingest`)"),
+    algo: str = typer.Option("cql", "--algo", help="cql | bc | filtered-bc | d3rlpy-cql"),
+    out: str = typer.Option(..., "--out", "-o", help="run folder to write (checkpoint, metrics, curves)"),
+    steps: int | None = typer.Option(None, "--steps", help="gradient steps [default: 2000]"),
+    batch_size: int | None = typer.Option(None, "--batch-size", help="transitions per step [default: 256]"),
+    seed: int = typer.Option(0, "--seed", help="seed of initialisation and batch sampling"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+    alpha: float | None = typer.Option(None, "--alpha", help="CQL conservative weight [default: 1.0]"),
+    encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: packaged MiniLM]"),
+    k: int | None = typer.Option(None, "--k", help="previous turns in the state text [default: 3]"),
+    cal_ql: bool = typer.Option(False, "--cal-ql", help="CQL: floor pushed-down values at the MC return"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace a policy already in OUT"),
+) -> None:
+    """Train an offline policy on a dataset: CQL over candidate actions, or a baseline."""
+    from offline_agent.learn.train import train
+
+    result = train(
+        dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
+        encoder=encoder, k=k, overwrite=overwrite, progress=sys.stderr.isatty(),
+        settings={"cal_ql": True} if cal_ql else None,
+    )
+    final = ", ".join(f"{name} {value:.4f}" for name, value in result.final_metrics.items() if name != "step")
+    console.print(
+        f"trained {result.algo} for {result.steps} steps in {result.seconds:.1f}s "
+        f"({result.steps_per_second:.1f} steps/s; embeddings: {result.cache_hits} cached, "
+        f"{result.cache_misses} encoded) -> {result.run_dir}\n{final}",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+@app.command("evaluate")
+def evaluate_command(
+    run: str = typer.Argument(..., help="run folder, or behaviour:SPEC (e.g. behaviour:noisy:0.5)"),
+    env: str | None = typer.Option(None, "--env", help="registered env id or module:factory to roll out in"),
+    episodes: int = typer.Option(100, "--episodes", "-n", help="episodes to roll out"),
+    seed: int = typer.Option(0, "--seed", help="episode i resets with a seed derived from (seed, i)"),
+    dataset: str | None = typer.Option(None, "--dataset", help="also estimate the value by FQE on its test split"),
+    fqe_steps: int = typer.Option(1000, "--fqe-steps", help="FQE gradient steps"),
+    encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+    json_output: bool = typer.Option(False, "--json", help="print one JSON object"),
+) -> None:
+    """Success rate (95% Wilson interval), returns, steps and error recovery of a policy in a simulator;
+    with --dataset, its off-policy (FQE) value on held-out logs."""
+    import json
+
+    from offline_agent.evaluate import evaluate, off_policy_value
+
+    if env is None and dataset is None:
+        raise UserError("evaluate needs --env ENV (simulated rollouts) and/or --dataset DATASET (FQE on logs)")
+    if dataset is not None and run.startswith("behaviour:"):
+        raise UserError("--dataset (FQE) needs a trained run, not a behaviour policy")
+    out: dict = {}
+    if env is not None:
+        out = evaluate(run, env, episodes=episodes, seed=seed, device=device, encoder=encoder).to_dict()
+    if dataset is not None:
+        fqe = off_policy_value(run, dataset, steps=fqe_steps, seed=seed, device=device, encoder=encoder)
+        out["fqe"] = fqe.to_dict()
+    if json_output:
+        sys.stdout.write(json.dumps(out) + "\n")
+        return
+    if env is not None:
+        low, high = out["ci95"]
+        retries = out["mean_retries_to_recover"]
+        recovery = "n/a" if retries is None else f"{retries:.2f} ({out['recoveries']} recoveries"
+        typer.echo(
+            f"{out['policy']} on {out['env']}, {out['episodes']} episodes: success rate {out['success_rate']:.3f} "
+            f"(95% CI {low:.3f}-{high:.3f}), mean return {out['mean_return']:.3f}, mean steps {out['mean_steps']:.1f}, "
+            f"error steps {out['error_rate']:.1%}, retries to recover {recovery}"
+            + ("" if retries is None else f", {out['unrecovered']} unrecovered)")
+        )
+    if dataset is not None:
+        f = out["fqe"]
+        typer.echo(
+            f"FQE on {f['episodes']} held-out episodes of {f['dataset']} ({f['split']} split): "
+            f"value {f['fqe_value']:.3f} vs {f['behaviour_value']:.3f} for the logged behaviour (gamma {f['gamma']})"
+        )
+
+
+# --- end learn ----------------------------------------------------------------------------------------------
+
+
 def main() -> None:
     app()
 
