@@ -413,7 +413,9 @@ class EmbeddingCache:
         missing = [h for h in unique if h not in found]
         self.hits, self.misses = len(found), len(missing)
         if missing:
-            encoded = self.encoder.encode([unique[h] for h in missing], progress=progress)  # (misses, D)
+            to_encode = [unique[h] for h in missing]
+            # Only TextEncoder takes `progress`; a duck-typed encoder needs no more than encode(texts).
+            encoded = self.encoder.encode(to_encode, progress=True) if progress else self.encoder.encode(to_encode)
             self._write_part(missing, encoded)
             found.update(zip(missing, encoded, strict=True))
         out = np.empty((len(texts), self.encoder.dim), dtype=np.float32)
