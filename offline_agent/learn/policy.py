@@ -146,7 +146,10 @@ class Policy:
         greedy: bool = True,
         seed: int = 0,
         device: str = "cpu",
+        memo: dict[str, np.ndarray] | None = None,
     ):
+        """`memo` (text -> embedding) may be shared by policies with the same encoder, e.g. when comparing
+        several on the same episodes: their states often coincide."""
         self.network = network.to(device).eval()
         self.encoder = encoder
         self.meta = meta
@@ -157,7 +160,7 @@ class Policy:
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
         self.history = EpisodeHistory()
-        self._memo: dict[str, np.ndarray] = {}
+        self._memo: dict[str, np.ndarray] = {} if memo is None else memo
 
     @classmethod
     def load(

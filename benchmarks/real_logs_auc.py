@@ -1,0 +1,200 @@
+"""Real logs: does the learned value of an episode's first state predict whether the episode succeeds?
+
+On τ-bench airline (GPT-4o, 200 episodes, 0/1 outcome) and InterCode SQL (GPT-4,
+1,034 episodes, score deltas; success = final score 1), read from
+../shared/data/real (skipped when absent): ingest with a 60/10/30 split (more
+held-out episodes than the default 80/10/10, for a steadier AUC), train our CQL on
+the train split (no logged candidates here: each step's candidates are sampled
+from the action vocabulary and the batch), then score each test episode's first
+state two ways, `Q(s0, a0)` of the logged first action and `max_a Q(s0, a)` over
+the whole vocabulary, and report the ROC AUC of those scores for the episode's
+success. The baselines see only the task: a logistic regression on the task's
+embedding fitted to the train split's successes, and the same on the first
+state's embedding (which holds the task and the first observation, what the
+value sees).
+
+Default budget: InterCode SQL subsampled to `--max-episodes` episodes (stable by
+episode id hash), state texts cut to 128 tokens; `--full` uses everything at 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import markdown_table, write_result  # noqa: E402
+
+REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
+SOURCES = {
+    "τ-bench airline": (REAL / "tau_bench_airline" / "gpt-4o-airline.json", "outcome"),
+    "InterCode SQL": (REAL / "intercode" / "sql_gpt-4", "score-delta"),
+}
+SPLIT = {"train": 0.6, "valid": 0.1, "test": 0.3}
+BUDGETS = {
+    "default": {"max_episodes": 400, "steps": 1500, "batch_size": 128, "hidden": 128, "max_length": 128, "k": 3},
+    "full": {"max_episodes": 0, "steps": 5000, "batch_size": 256, "hidden": 256, "max_length": 256, "k": 3},
+}
+
+
+def roc_auc(scores, labels) -> float:
+    """ROC AUC = P(score of a random success > score of a random failure), ties counted half (Mann-Whitney)."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=bool)
+    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    ranks = rankdata(scores)
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
+
+
+def logistic_regression(x_train, y_train, x_test, weight_decay: float = 1e-2):
+    """Probabilities on x_test of an L2-regularised logistic regression fitted by L-BFGS (torch, no sklearn)."""
+    import torch
+
+    x, y = torch.as_tensor(x_train, dtype=torch.float32), torch.as_tensor(y_train, dtype=torch.float32)
+    w = torch.zeros(x.shape[1], requires_grad=True)
+    b = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], max_iter=200, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(x @ w + b, y) + weight_decay * w.pow(2).sum()
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        return torch.sigmoid(torch.as_tensor(x_test, dtype=torch.float32) @ w + b).numpy()
+
+
+def make_dataset(name: str, source: Path, reward: str, max_episodes: int, workdir: Path) -> Path:
+    """Ingest (60/10/30 split); keep `max_episodes` episodes chosen by a hash of their id (0 = all)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from offline_agent.dataset import TrajectoryDataset, write_dataset
+    from offline_agent.ingest import ingest
+
+    slug = name.split()[-1].lower() if name.startswith("Inter") else "tau_airline"
+    full = workdir / f"{slug}-all"
+    if not (full / "dataset.json").exists():
+        ingest([source], full, reward=reward, split=SPLIT, overwrite=True)
+    if not max_episodes:
+        return full
+    out = workdir / f"{slug}-{max_episodes}"
+    if (out / "dataset.json").exists():
+        return out
+    ds = TrajectoryDataset.open(full)
+    episodes = ds.episodes_table()
+    if episodes.num_rows <= max_episodes:
+        return full
+    ids = sorted(episodes["episode_id"].to_pylist(), key=lambda e: hashlib.sha256(e.encode()).hexdigest())
+    keep = pa.array(sorted(ids[:max_episodes]))
+    steps = ds.steps_table()
+    steps = steps.filter(pc.is_in(steps["episode_id"], value_set=keep))
+    episodes = episodes.filter(pc.is_in(episodes["episode_id"], value_set=keep))
+    meta = {k: v for k, v in ds.meta.items() if k not in ("counts", "fingerprint")}
+    write_dataset(out, steps, episodes, None, {**meta, "subsample": f"{max_episodes} episodes by sha256(episode_id)"},
+                  overwrite=True)
+    return out
+
+
+def run(name: str, dataset: Path, budget: dict, encoder, log) -> list[object]:
+    import torch
+
+    from offline_agent.learn.cql import CQLConfig, train_cql
+    from offline_agent.learn.features import build_features, step_candidates
+
+    t0 = time.perf_counter()
+    features = build_features(dataset, encoder, k=budget["k"], progress=sys.stderr.isatty())
+    log(f"{name}: {features.describe()} ({features.cache_misses} texts encoded, {time.perf_counter() - t0:.0f}s)")
+    t = time.perf_counter()
+    network, _ = train_cql(features, CQLConfig(steps=budget["steps"], batch_size=budget["batch_size"],
+                                               hidden=budget["hidden"], seed=0))
+    log(f"  CQL {budget['steps']} steps in {time.perf_counter() - t:.0f}s")
+    test, train = features.first_rows("test"), features.first_rows("train")
+    label = features.episode_success[features.episode_index[test]]
+    known = ~label.isnan()
+    test, label = test[known], label[known].bool().numpy()
+    with torch.no_grad():
+        state = features.state_emb[test]
+        q_logged = network.q_values(state, features.action_emb[features.action_id[test]][:, None, :],
+                                    torch.ones(len(test), 1, dtype=torch.bool))[:, 0]
+        ids, mask = step_candidates(features, test)
+        q_max = torch.stack([
+            network.q_values(state[i : i + 1], features.action_emb[ids[i : i + 1].clamp(min=0)], mask[i : i + 1]).max()
+            for i in range(len(test))
+        ])
+    # The task-only baseline: the task text's embedding (the encoder's cache makes this cheap).
+    from offline_agent.dataset import TrajectoryDataset
+    from offline_agent.embed import CACHE_DIRNAME, EmbeddingCache
+
+    episodes = TrajectoryDataset.open(dataset).episodes_table().to_pydict()
+    task_of = dict(zip(episodes["episode_id"], episodes["task"], strict=True))
+    cache = EmbeddingCache(Path(dataset) / CACHE_DIRNAME, encoder)
+
+    def task_emb(rows):
+        return cache.embed([task_of[features.episode_ids[int(e)]] or "" for e in features.episode_index[rows]])
+
+    train_label = features.episode_success[features.episode_index[train]]
+    keep = ~train_label.isnan()
+    y_train = train_label[keep].numpy()
+    p_task = logistic_regression(task_emb(train[keep]), y_train, task_emb(test))
+    p_state = logistic_regression(features.state_emb[train[keep]].numpy(), y_train, state.numpy())
+    return [
+        name, f"{len(test)} ({int(label.sum())} successes)",
+        f"{roc_auc(q_logged.numpy(), label):.3f}", f"{roc_auc(q_max.numpy(), label):.3f}",
+        f"{roc_auc(p_task, label):.3f}", f"{roc_auc(p_state, label):.3f}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="all episodes, longer training, 256-token states")
+    parser.add_argument("--workdir", default=str(Path(__file__).parent / "out" / "real_logs_auc"))
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    missing = [str(p) for p, _ in SOURCES.values() if not p.exists()]
+    if missing:
+        print(f"skipped: real logs not found ({', '.join(missing)})")
+        return
+
+    import torch
+
+    from offline_agent.embed import TextEncoder
+
+    torch.set_num_threads(args.threads)
+    budget = BUDGETS["full" if args.full else "default"]
+    encoder = TextEncoder(max_length=budget["max_length"])
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    start = time.perf_counter()
+    for name, (source, reward) in SOURCES.items():
+        dataset = make_dataset(name, source, reward, budget["max_episodes"], workdir)
+        rows.append(run(name, dataset, budget, encoder, lambda m: print(m, file=sys.stderr, flush=True)))
+    b = budget
+    table = (
+        f"ROC AUC of each score for the success of held-out episodes (30% test split). CQL: {b['steps']} steps, "
+        f"batch {b['batch_size']}, hidden {b['hidden']}, states of k = {b['k']} turns cut to {b['max_length']} tokens"
+        + (f", at most {b['max_episodes']} episodes per source" if b["max_episodes"] else "")
+        + f". Total {(time.perf_counter() - start) / 60:.1f} min.\n\n"
+        + markdown_table(["logs", "test episodes", "CQL Q(s0, a0)", "CQL max_a Q(s0, a)",
+                          "task-only logistic regression", "first-state logistic regression"], rows)
+    )
+    command = "python benchmarks/real_logs_auc.py" + (" --full" if args.full else "")
+    write_result("real_logs_auc", "Real logs: value of the first state vs episode success", table, command)
+
+
+if __name__ == "__main__":
+    main()
