@@ -12,9 +12,21 @@ epochs of clipped-objective minibatch updates, one metrics row.
 
 Value head: an MLP over phi(s). With `value_init="critic"` it predicts a
 residual on top of the offline critic's value `V_ref(s) = sum_a pi_ref(a|s)
-Q_ref(s, a)` (the MLP's last layer starts at zero, so V starts as V_ref). What we
-measured (benchmarks/online.py, Logistics-v0, MiniLM, 4 envs, 8 iterations of
-256 steps, seed 0): FILLED IN BELOW FROM THE BENCHMARK.
+Q_ref(s, a)` (the MLP's last layer starts at zero, so V starts as V_ref); with
+`"zero"` (the default) it is a fresh MLP. What we measured (PipelineRepair-v0,
+the benchmark's CQL run, MiniLM, 4 envs x 32 steps x 6 iterations, lr 1e-5,
+seed 0): the CQL critic is a poor baseline. Its values are off in scale (CQL's
+conservative term pushes them away from the Monte-Carlo returns), so the value
+loss of the first rollout was 1.03 with the critic init against 0.10 with a
+fresh MLP, and still 0.70 against 0.14 after 6 iterations; training success
+rates were within noise of each other (7-9 episodes per iteration). Hence the
+default; "critic" stays for checkpoints whose critic is calibrated (e.g. Cal-QL).
+
+Step size: logits are Q / tau (tau = 0.1 for CQL), so the head is steep: one
+Adam step at lr 1e-4 moved the policy 2 nats of KL from the reference on
+Logistics-v0, at 1e-5 about 0.03. Hence the small default learning rate, and
+`max_update_kl`, which ends an iteration's updates as soon as a minibatch's
+KL(pi_old || pi_new) estimate exceeds it (CleanRL's `target_kl`).
 
 Determinism: sampling and minibatch order use one seeded `torch.Generator`;
 episodes run on across iterations, but every `checkpoint_every` iterations (and
@@ -67,6 +79,7 @@ METRICS = (
     "policy/approx_kl",
     "policy/clipfrac",
     "policy/entropy",
+    "policy/update_steps",
     "loss/policy",
     "loss/value",
     "charts/success_rate",
@@ -87,13 +100,19 @@ class PPOConfig:
     iterations: int = field(default=20, metadata={"help": "rollout + update iterations"})
     num_envs: int = field(default=4, metadata={"help": "environments stepped in parallel"})
     num_steps: int = field(default=128, metadata={"help": "steps per environment per rollout (T)"})
-    learning_rate: float = field(default=1e-4, metadata={"help": "Adam learning rate"})
+    learning_rate: float = field(
+        default=1e-5, metadata={"help": "Adam learning rate (small: logits = Q / tau make the offline head steep)"}
+    )
     anneal_lr: bool = field(default=False, metadata={"help": "decay the learning rate linearly to 0"})
     gamma: float = field(default=0.99, metadata={"help": "discount factor, in [0, 1]"})
     gae_lambda: float = field(default=0.95, metadata={"help": "GAE lambda, in [0, 1]"})
     update_epochs: int = field(default=4, metadata={"help": "passes over each rollout"})
     num_minibatches: int = field(default=4, metadata={"help": "minibatches per pass"})
     clip_coef: float = field(default=0.2, metadata={"help": "PPO ratio clipping epsilon, > 0"})
+    max_update_kl: float | None = field(
+        default=0.02,
+        metadata={"help": "stop an iteration's updates once KL(pi_old || pi_new) of a minibatch exceeds this"},
+    )
     ent_coef: float = field(default=0.0, metadata={"help": "entropy bonus weight, >= 0"})
     vf_coef: float = field(default=0.5, metadata={"help": "value loss weight, >= 0"})
     max_grad_norm: float = field(default=0.5, metadata={"help": "global gradient-norm clip, > 0"})
@@ -105,7 +124,7 @@ class PPOConfig:
     init_beta: float = field(default=0.1, metadata={"help": "starting beta of the adaptive controller, > 0"})
     kl_horizon: int = field(default=10_000, metadata={"help": "controller horizon in env steps (Ziegler: 10k)"})
     value_init: Literal["critic", "zero"] = field(
-        default="critic", metadata={"help": "critic: V = V_ref(s) + MLP residual; zero: a fresh MLP"}
+        default="zero", metadata={"help": "critic: V = V_ref(s) + MLP residual; zero: a fresh MLP"}
     )
     value_hidden: int = field(default=128, metadata={"help": "hidden width of the value MLP"})
     from_scratch: bool = field(
@@ -144,6 +163,8 @@ class PPOConfig:
         for name in ("gamma", "gae_lambda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UserError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.max_update_kl is not None and not self.max_update_kl > 0:
+            raise UserError(f"max_update_kl must be > 0 (or None to never stop early), got {self.max_update_kl}")
         for name in ("learning_rate", "clip_coef", "max_grad_norm", "init_beta"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -511,9 +532,11 @@ class PPOTrainer:
         b_returns = returns.reshape(-1).to(dev)
         names = ("loss/policy", "loss/value", "policy/entropy", "policy/clipfrac", "policy/approx_kl")
         sums = dict.fromkeys(names, 0.0)
-        n_updates = 0
+        n_updates, stop = 0, False
         self.model.train()
         for _ in range(c.update_epochs):
+            if stop:
+                break
             order = torch.randperm(c.batch_size, generator=self.generator)
             for start in range(0, c.batch_size - c.minibatch_size + 1, c.minibatch_size):
                 mb = order[start : start + c.minibatch_size].to(dev)
@@ -525,6 +548,11 @@ class PPOTrainer:
                 ent = entropy(logp, mb_mask).mean()
                 v_loss = 0.5 * (self.model.value(b_state[mb], b_ref_values[mb]) - b_returns[mb]).pow(2).mean()
                 loss = pg.loss - c.ent_coef * ent + c.vf_coef * v_loss
+                # A policy head initialised from Q / tau is steep (a small weight change moves the logits 1/tau
+                # times as much): stop before a step that would carry it further from the rollout's policy.
+                if n_updates and c.max_update_kl is not None and pg.approx_kl > c.max_update_kl:
+                    stop = True
+                    break
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
@@ -533,7 +561,7 @@ class PPOTrainer:
                 for key, value in zip(names, values, strict=True):
                     sums[key] += value
                 n_updates += 1
-        return {key: value / n_updates for key, value in sums.items()}
+        return {**{key: value / n_updates for key, value in sums.items()}, "policy/update_steps": float(n_updates)}
 
 
 def _task_of(info: dict[str, Any] | None, observation: dict[str, Any]) -> str:
