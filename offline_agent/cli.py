@@ -353,7 +353,7 @@ def finetune_command(
         [], "--safety", help="deny:TOOL,.. | regex:PATTERN | callable:mod:fn (join with ';' or repeat)"
     ),
     seed: int = typer.Option(0, "--seed", help="seed of sampling, minibatches and environments"),
-    learning_rate: float = typer.Option(1e-4, "--learning-rate", help="Adam learning rate"),
+    learning_rate: float = typer.Option(1e-5, "--learning-rate", help="Adam learning rate"),
     checkpoint_every: int = typer.Option(
         5, "--checkpoint-every", help="resumable checkpoint (and env reset) every N iterations"
     ),
