@@ -119,6 +119,9 @@ def finetune(
         "config": asdict(config),
     }
     out.mkdir(parents=True, exist_ok=True)
+    if not resume:  # an overwritten run's resume state must not be picked up by a later --resume
+        for stale in (state_path, out / METRICS_FILE, out / SUMMARY_FILE):
+            stale.unlink(missing_ok=True)
     rows: list[dict[str, float]] = []
     resumed_from = None
     start = time.perf_counter()
