@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import html
-import io
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from typing import Any
 import polars as pl
 
 from offline_agent.errors import UserError
+from offline_agent.plots import figure_png, new_figure
 
 REPORT_FILE = "report.html"
 METRICS_FILE = "metrics.parquet"
@@ -365,19 +365,6 @@ def read_evaluations(paths: Sequence[Path], root: Path) -> tuple[list[EvalRow], 
 
 
 # --- figures -----------------------------------------------------------------------------------------------
-
-
-def new_figure(width: float, height: float):
-    """A matplotlib Figure on the Agg canvas: no pyplot state, no display, safe in any thread."""
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=100, layout="constrained")
-
-
-def figure_png(fig) -> bytes:
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    return buf.getvalue()
 
 
 def png_data_uri(png: bytes) -> str:

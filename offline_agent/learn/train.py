@@ -181,16 +181,14 @@ def write_metrics(run_dir: Path, history: list[dict[str, float]]) -> pl.DataFram
 
 
 def plot_curves(metrics: pl.DataFrame, path: Path, title: str = "") -> None:
-    """One panel per metric against step, as PNG (Agg backend: no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """One panel per metric against step, as PNG."""
+    from offline_agent.plots import new_figure, save_png
 
     names = [c for c in metrics.columns if c != "step"]
     cols = min(3, max(1, len(names)))
     rows = max(1, -(-len(names) // cols))
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 2.8 * rows), squeeze=False)
+    fig = new_figure(4.2 * cols, 2.8 * rows, layout=None)
+    axes = fig.subplots(rows, cols, squeeze=False)
     for ax, name in zip(axes.flat, names, strict=False):
         ax.plot(metrics["step"].to_numpy(), metrics[name].to_numpy(), lw=1.2)
         ax.set_title(name, fontsize=10)
@@ -201,10 +199,7 @@ def plot_curves(metrics: pl.DataFrame, path: Path, title: str = "") -> None:
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}.png")
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_png(fig, path)
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

@@ -321,10 +321,7 @@ def write_metrics(run_dir: Path, rows: list[dict[str, float]]) -> pl.DataFrame:
 
 def plot_curves(frame: pl.DataFrame, path: Path, title: str = "") -> None:
     """Success rate, episode return, KL to the reference and beta against iteration, in one PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from offline_agent.plots import new_figure, save_png
 
     panels = [
         ("charts/success_rate", "success rate"),
@@ -332,7 +329,8 @@ def plot_curves(frame: pl.DataFrame, path: Path, title: str = "") -> None:
         ("objective/kl", "KL(pi || pi_offline) per step"),
         ("objective/beta", "beta"),
     ]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.4))
+    fig = new_figure(16, 3.4, layout=None)
+    axes = fig.subplots(1, 4)
     for ax, (column, label) in zip(axes, panels, strict=True):
         if column in frame.columns and frame.height:
             ax.plot(frame["iteration"].to_list(), frame[column].to_list(), marker="o", markersize=3)
@@ -341,10 +339,7 @@ def plot_curves(frame: pl.DataFrame, path: Path, title: str = "") -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(title)
     fig.tight_layout()
-    tmp = path.parent / f".{path.stem}.tmp-{uuid.uuid4().hex[:8]}.png"
-    fig.savefig(tmp, dpi=90)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_png(fig, path)
 
 
 class _progress:
