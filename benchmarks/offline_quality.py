@@ -41,7 +41,7 @@ BEHAVIOUR = "noisy:0.5"
 EVAL_SEED = 10_000  # evaluation episodes use reset seeds derived from this, never the logs' seed 0
 BUDGETS = {
     "default": {"episodes": 150, "seeds": 3, "steps": 1200, "batch_size": 128, "hidden": 128, "eval_episodes": 25,
-                "k": 3, "max_length": 256, "fqe_steps": 400},
+                "k": 3, "max_length": 256, "fqe_steps": 1500},
     "full": {"episodes": 600, "seeds": 3, "steps": 3000, "batch_size": 256, "hidden": 256, "eval_episodes": 100,
              "k": 3, "max_length": 256, "fqe_steps": 2000},
 }

@@ -276,7 +276,7 @@ class OffPolicyReport:
 def off_policy_value(
     run: str | Path,
     dataset: str | Path,
-    steps: int = 1000,
+    steps: int = 1500,
     seed: int = 0,
     device: str = "cpu",
     encoder: Any = None,

@@ -6,6 +6,7 @@ dataset first or write next to it.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import shutil
 import tempfile
@@ -20,7 +21,9 @@ K = 0  # the ColorLock observation is the whole state; k = 0 keeps the texts to 
 
 @functools.cache
 def root() -> Path:
-    return Path(tempfile.mkdtemp(prefix="offline-agent-learn-tests-"))
+    path = Path(tempfile.mkdtemp(prefix="offline-agent-learn-tests-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 @functools.cache

@@ -39,7 +39,9 @@ class FQEConfig:
     gamma: float = field(default=0.99, metadata={"help": "discount factor, in [0, 1]"})
     tau: float = field(default=0.1, metadata={"help": "temperature of the evaluated softmax policy (greedy=False)"})
     greedy: bool = field(default=True, metadata={"help": "evaluate the greedy policy (what `evaluate` plays)"})
-    target_update_rate: float = field(default=0.005, metadata={"help": "Polyak rate of the target net"})
+    target_update_rate: float = field(
+        default=0.05, metadata={"help": "Polyak rate of the target net (fast: the evaluated policy is fixed)"}
+    )
     hidden: int = field(default=256, metadata={"help": "hidden width of the FQE Q network"})
     split: str = field(default="test", metadata={"help": "split of held-out episodes to evaluate on"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
