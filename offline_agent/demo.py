@@ -35,9 +35,12 @@ def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
     """(title, argv) of each stage; an argv ending in `> FILE` saves the command's stdout there."""
     data = out / "data" / SAMPLE
     runs = out / "runs"
-    train_steps = "300" if quick else "3000"
-    iterations = "2" if quick else "20"
-    episodes = "20" if quick else "200"
+    # Budgets sized for 2 CPU cores: every new state text costs a MiniLM forward pass (~30 texts/s/core),
+    # so rollouts (fine-tuning, evaluation) dominate, not gradient steps.
+    train_steps = "100" if quick else "1500"
+    batch_size = "32" if quick else "64"
+    iterations = "1" if quick else "6"
+    episodes = "5" if quick else "40"
     return [
         ("ingest the sample logs", ["ingest", str(SAMPLES / SAMPLE / "logs.jsonl"), "--out", str(data)]),
         ("what is in them", ["info", str(data)]),
@@ -47,12 +50,16 @@ def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
         ("do episodes that hit an error still succeed?", ["query", str(data), RECOVERY_SQL]),
         ("embed states and actions (cached)", ["embed", str(data)]),
         ("train the CQL value head", ["train", str(data), "--algo", "cql", "--out", str(runs / "cql"),
-                                      "--steps", train_steps, "--seed", "0"]),
+                                      "--steps", train_steps, "--batch-size", batch_size, "--seed", "0"]),
         ("train behaviour cloning (baseline)", ["train", str(data), "--algo", "bc", "--out", str(runs / "bc"),
-                                                "--steps", train_steps, "--seed", "0"]),
+                                                "--steps", train_steps, "--batch-size", batch_size, "--seed", "0"]),
         ("fine-tune CQL online with PPO + KL", ["finetune", str(runs / "cql"), "--env", ENV, "--out",
                                                 str(runs / "finetune"), "--iterations", iterations,
-                                                "--target-kl", "0.05", "--seed", "0"]),
+                                                "--num-envs", "4", "--num-steps", "32", "--target-kl", "0.05",
+                                                "--seed", "0"]),
+        ("evaluate the policy that wrote the logs", ["evaluate", "behaviour:noisy:0.5", "--env", ENV, "--episodes",
+                                                     episodes, "--seed", "1000", "--json", ">",
+                                                     str(out / "eval" / "behaviour.json")]),
         ("evaluate behaviour cloning", ["evaluate", str(runs / "bc"), "--env", ENV, "--episodes", episodes,
                                         "--seed", "1000", "--json", ">", str(out / "eval" / "bc.json")]),
         ("evaluate CQL", ["evaluate", str(runs / "cql"), "--env", ENV, "--episodes", episodes, "--seed", "1000",
