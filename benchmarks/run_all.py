@@ -23,6 +23,7 @@ BENCHMARKS = [
     ("ingest", "ingest.py", []),
     ("envs", "envs.py", []),
     ("embed", "embed.py", []),
+    ("state_aliasing", "state_aliasing.py", []),
     ("train_speed", "train_speed.py", []),
     ("offline_quality", "offline_quality.py", []),
     ("real_logs_auc", "real_logs_auc.py", []),
