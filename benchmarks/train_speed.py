@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed gradient steps per learner")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[128, 256])
-    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2])
+    parser.add_argument("--threads", type=int, nargs="*", default=[1], help="torch thread counts to time")
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--n-steps", type=int, default=20_000, help="dataset steps")
     parser.add_argument("--n-actions", type=int, default=150, help="vocabulary size")

@@ -56,6 +56,19 @@ def test_double_q_target_takes_the_argmax_of_the_online_net_and_the_value_of_the
     assert double_q_target(reward, done, 0.5, online, target, mask)[0] == 1.0 + 0.5 * 30.0
 
 
+def test_the_loss_uses_the_double_q_target():
+    f = learn_data.color_lock_features()
+    torch.manual_seed(0)
+    net, target = QNetwork(f.dim, 16), QNetwork(f.dim, 16)
+    batch = make_batch(f, torch.arange(64), torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        online = net.all_heads(batch.next_state, batch.next_cand).min(0).values
+        full = target.all_heads(batch.next_state, batch.next_cand).min(0).values
+    y = double_q_target(batch.reward, batch.done, 0.9, online, full, batch.next_mask)
+    loss = cql_loss(net, target, batch, CQLConfig(gamma=0.9))
+    assert loss.q_target_mean == pytest.approx(float(y.mean()), abs=1e-6)
+
+
 def test_double_q_target_ignores_the_next_state_of_a_terminal_row_even_if_it_is_all_padding():
     y = double_q_target(T([2.0]), T([1.0]), 0.9, T([[0.0]]), T([[float("-inf")]]), T([[False]]))
     assert torch.equal(y, T([2.0]))

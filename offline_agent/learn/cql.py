@@ -92,6 +92,17 @@ def check_common(config: Any) -> None:
 # --- the math --------------------------------------------------------------------------------------
 
 
+def double_q_action(q_next_online: torch.Tensor, next_mask: torch.Tensor) -> torch.Tensor:
+    """a* = argmax over the valid candidates of s' by the online network: (B, C), (B, C) bool -> (B,) int64."""
+    return masked(q_next_online, next_mask).argmax(1)
+
+
+def td_target(reward: torch.Tensor, done: torch.Tensor, gamma: float, v_next: torch.Tensor) -> torch.Tensor:
+    """`y = r + gamma * (1 - d) * v_next`, all (B,); rows with d = 1 ignore v_next (it may be -inf or nan)."""
+    v_next = torch.where(done > 0, torch.zeros_like(v_next), v_next)
+    return reward + gamma * (1.0 - done) * v_next
+
+
 def double_q_target(
     reward: torch.Tensor,
     done: torch.Tensor,
@@ -103,12 +114,11 @@ def double_q_target(
     """Double-Q TD target `y = r + gamma * (1 - d) * Qtarget(s', argmax_{a'} Qonline(s', a'))`.
 
     reward, done: (B,) float32; q_next_online, q_next_target: (B, C) float32 over the candidates of s';
-    next_mask: (B, C) bool. Returns y (B,). Rows with d = 1 ignore s' entirely.
+    next_mask: (B, C) bool. Returns y (B,). `cql_loss` computes the same target but evaluates the target
+    network at a* only, instead of at every candidate.
     """
-    a_star = masked(q_next_online, next_mask).argmax(1, keepdim=True)  # (B, 1)
-    v_next = q_next_target.gather(1, a_star).squeeze(1)  # (B,)
-    v_next = torch.where(done > 0, torch.zeros_like(v_next), v_next)
-    return reward + gamma * (1.0 - done) * v_next
+    a_star = double_q_action(q_next_online, next_mask)[:, None]  # (B, 1)
+    return td_target(reward, done, gamma, q_next_target.gather(1, a_star).squeeze(1))
 
 
 def conservative_penalty(
@@ -167,8 +177,10 @@ def cql_loss(q_net: QNetwork, target_net: QNetwork, batch: Batch, config: CQLCon
     q_data, q_cand = q[:, :, 0], q[:, :, 1:]  # (K, B), (K, B, C)
     with torch.no_grad():
         q_next_online = q_net.all_heads(batch.next_state, batch.next_cand).min(0).values  # (B, C')
-        q_next_target = target_net.all_heads(batch.next_state, batch.next_cand).min(0).values  # (B, C')
-        y = double_q_target(batch.reward, batch.done, config.gamma, q_next_online, q_next_target, batch.next_mask)
+        a_star = double_q_action(q_next_online, batch.next_mask)  # (B,)
+        next_action = batch.next_cand[torch.arange(a_star.shape[0]), a_star][:, None, :]  # (B, C', D) -> (B, 1, D)
+        v_next = target_net.all_heads(batch.next_state, next_action).min(0).values[:, 0]  # (K, B, 1) -> (B,)
+        y = td_target(batch.reward, batch.done, config.gamma, v_next)
     td = (q_data - y[None, :]).pow(2).mean(1).sum()  # (K, B) -> (K,) -> ()
     floor = batch.return_to_go if config.cal_ql else None
     penalty = conservative_penalty(q_data, q_cand, batch.cand_mask, floor)  # (K, B)

@@ -175,7 +175,8 @@ def train_d3rlpy_cql(
         dataset,
         n_steps=config.steps,
         n_steps_per_epoch=config.steps,
-        logging_steps=config.log_every,
+        # at least one commit: d3rlpy's fitter fails on a run shorter than its logging interval
+        logging_steps=min(config.log_every, config.steps),
         logging_strategy=d3rlpy.LoggingStrategy.STEPS,
         logger_adapter=_metrics_adapter_factory(history),
         show_progress=False,
