@@ -37,7 +37,7 @@ def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
     runs = out / "runs"
     # Budgets sized for 2 CPU cores: every new state text costs a MiniLM forward pass (~30 texts/s/core),
     # so rollouts (fine-tuning, evaluation) dominate, not gradient steps.
-    train_steps = "100" if quick else "1500"
+    train_steps = "100" if quick else "500"
     batch_size = "32" if quick else "64"
     iterations = "1" if quick else "6"
     episodes = "5" if quick else "40"
@@ -77,9 +77,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny budgets (for tests)")
     args = parser.parse_args()
     out = Path(args.out).resolve()
-    if out.exists():
+    marker = out / ".offline-agent-demo"
+    if out.exists() and any(out.iterdir()):
+        # Only a previous demo's folder is ever deleted, never a folder the user pointed us at by mistake.
+        if not marker.exists():
+            sys.exit(f"{out} exists and is not a demo folder: choose another --out")
         shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
+    marker.touch()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "MPLBACKEND": "Agg"}
     exe = [sys.executable, "-m", "offline_agent.cli"]
     started = time.perf_counter()
