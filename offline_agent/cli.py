@@ -434,7 +434,7 @@ def evaluate_command(
     episodes: int = typer.Option(100, "--episodes", "-n", help="episodes to roll out"),
     seed: int = typer.Option(0, "--seed", help="episode i resets with a seed derived from (seed, i)"),
     dataset: str | None = typer.Option(None, "--dataset", help="also estimate the value by FQE on its test split"),
-    fqe_steps: int = typer.Option(1000, "--fqe-steps", help="FQE gradient steps"),
+    fqe_steps: int = typer.Option(1500, "--fqe-steps", help="FQE gradient steps"),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     json_output: bool = typer.Option(False, "--json", help="print one JSON object"),
