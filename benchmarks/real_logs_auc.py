@@ -13,8 +13,8 @@ embedding fitted to the train split's successes, and the same on the first
 state's embedding (which holds the task and the first observation, what the
 value sees).
 
-Default budget: InterCode SQL subsampled to `--max-episodes` episodes (stable by
-episode id hash), state texts cut to 128 tokens; `--full` uses everything at 256.
+Default budget: InterCode SQL subsampled to 400 episodes (stable: by a salted hash of
+the episode id), state texts cut to 128 tokens; `--full` uses everything at 256.
 """
 
 from __future__ import annotations
@@ -98,7 +98,8 @@ def make_dataset(name: str, source: Path, reward: str, max_episodes: int, workdi
     episodes = ds.episodes_table()
     if episodes.num_rows <= max_episodes:
         return full
-    ids = sorted(episodes["episode_id"].to_pylist(), key=lambda e: hashlib.sha256(e.encode()).hexdigest())
+    # Salted: the split itself is cut from sha256(episode_id), so the first ids by that hash are all "train".
+    ids = sorted(episodes["episode_id"].to_pylist(), key=lambda e: hashlib.sha256(b"subsample:" + e.encode()).digest())
     keep = pa.array(sorted(ids[:max_episodes]))
     steps = ds.steps_table()
     steps = steps.filter(pc.is_in(steps["episode_id"], value_set=keep))
