@@ -100,7 +100,9 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Mod
 def encoder_for(meta: dict[str, Any], encoder: Any = None, device: str = "cpu") -> Any:
     """The encoder a checkpoint was trained with: `encoder` if given, else loaded from the recorded path
     (or the packaged default when that path is absent here). A different encoder id is a UserError."""
-    wanted = meta["encoder"]
+    wanted = meta.get("encoder")
+    if not isinstance(wanted, dict) or "id" not in wanted:
+        raise UserError("the checkpoint's policy.json names no encoder (encoder.id): retrain it with this version")
     if encoder is None:
         from offline_agent.embed import TextEncoder
 

@@ -117,17 +117,17 @@ def train(
     `settings` passes any other field of the algorithm's config (e.g. {"cal_ql": True}); `features`
     skips embedding when the caller already built them (benchmarks).
     """
+    from offline_agent.dataset import TrajectoryDataset
+
     if algo in ("bc", "filtered-bc") and alpha is not None:
         raise UserError(f"--alpha is the weight of CQL's conservative term; --algo {algo} has none: drop --alpha")
-    config = make_config(
-        algo, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha, **(settings or {})
-    )
+    ds = TrajectoryDataset.open(dataset)
+    # The discount is the dataset's (the one its return_to_go was computed with) unless asked otherwise.
+    settings = {"gamma": ds.gamma, **(settings or {})}
+    config = make_config(algo, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha, **settings)
     out = Path(out)
     if (out / CONFIG_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a trained policy: choose another --out, or pass --overwrite")
-    from offline_agent.dataset import TrajectoryDataset
-
-    ds = TrajectoryDataset.open(dataset)
     encoder = load_encoder(encoder, device)
     if features is None:
         features = build_features(ds, encoder, k=k, progress=progress)
@@ -157,7 +157,7 @@ def train(
         "config": asdict(config),
     }
     save_checkpoint(out, network, meta)
-    final = {k: v for k, v in (history[-1] if history else {}).items() if v is not None}
+    final = {name: v for name, v in (history[-1] if history else {}).items() if v is not None}
     summary = {
         **meta,
         "features": features.describe(),
