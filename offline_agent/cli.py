@@ -438,9 +438,13 @@ def evaluate_command(
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     json_output: bool = typer.Option(False, "--json", help="print one JSON object"),
+    safety: list[str] = typer.Option(
+        [], "--safety", help="replace the run's saved safety rules: deny:TOOL,.. | regex:PATTERN | callable:mod:fn"
+    ),
+    no_safety: bool = typer.Option(False, "--no-safety", help="roll out without the run's saved safety rules"),
 ) -> None:
-    """Success rate (95% Wilson interval), returns, steps and error recovery of a policy in a simulator;
-    with --dataset, its off-policy (FQE) value on held-out logs."""
+    """Success rate (95% Wilson interval), returns, steps and error recovery of a policy in a simulator,
+    behind the safety rules saved with the run; with --dataset, its off-policy (FQE) value on held-out logs."""
     import json
 
     from offline_agent.evaluate import evaluate, off_policy_value
@@ -449,9 +453,10 @@ def evaluate_command(
         raise UserError("evaluate needs --env ENV (simulated rollouts) and/or --dataset DATASET (FQE on logs)")
     if dataset is not None and run.startswith("behaviour:"):
         raise UserError("--dataset (FQE) needs a trained run, not a behaviour policy")
+    rules = _safety_override(safety, no_safety, env)
     out: dict = {}
     if env is not None:
-        out = evaluate(run, env, episodes=episodes, seed=seed, device=device, encoder=encoder).to_dict()
+        out = evaluate(run, env, episodes=episodes, seed=seed, device=device, encoder=encoder, safety=rules).to_dict()
     if dataset is not None:
         fqe = off_policy_value(run, dataset, steps=fqe_steps, seed=seed, device=device, encoder=encoder)
         out["fqe"] = fqe.to_dict()
@@ -467,6 +472,7 @@ def evaluate_command(
             f"(95% CI {low:.3f}-{high:.3f}), mean return {out['mean_return']:.3f}, mean steps {out['mean_steps']:.1f}, "
             f"error steps {out['error_rate']:.1%}, retries to recover {recovery}"
             + ("" if retries is None else f", {out['unrecovered']} unrecovered)")
+            + f"; {_safety_summary(out)}"
         )
     if dataset is not None:
         f = out["fqe"]
@@ -474,6 +480,28 @@ def evaluate_command(
             f"FQE on {f['episodes']} held-out episodes of {f['dataset']} ({f['split']} split): "
             f"value {f['fqe_value']:.3f} vs {f['behaviour_value']:.3f} for the logged behaviour (gamma {f['gamma']})"
         )
+
+
+def _safety_override(specs: list[str], off: bool, env: str | None) -> list[str] | None:
+    """evaluate's `safety` argument: None keeps the run's saved rules, [] turns them off."""
+    from offline_agent.online.safety import SPEC_HELP, split_specs
+
+    if (specs or off) and env is None:
+        raise UserError("--safety and --no-safety apply to rollouts: add --env ENV")
+    if specs and off:
+        raise UserError("--safety replaces the saved rules and --no-safety drops them: pass one of the two")
+    if specs and not split_specs(specs):  # a blank spec would silently turn the saved rules off
+        raise UserError(f"--safety {specs[0]!r} names no rule: expected {SPEC_HELP}, or --no-safety for none")
+    return [] if off else specs or None
+
+
+def _safety_summary(out: dict) -> str:
+    if not out["safety"]:
+        return "no safety filter"
+    return (
+        f"safety filter {'; '.join(out['safety'])}: {out['blocked_actions']} candidate actions blocked, "
+        f"{out['safety_truncated']} episodes ended with every candidate forbidden"
+    )
 
 
 # --- end learn ----------------------------------------------------------------------------------------------

@@ -12,19 +12,26 @@ Wilson interval, mean return (and discounted return, what FQE estimates), mean
 steps, and recovery: after an action that produced an error observation, how
 many steps it took until a step without error (`recovery_lengths`).
 `off_policy_value` is the estimate from held-out logs alone (FQE).
+
+A learned policy is evaluated behind the safety rules saved with its run (a
+fine-tuned run keeps its `--safety` in policy.json), unless told otherwise: the
+environments are wrapped in the same `SafetyWrapper` the fine-tuning rollouts
+use, so the policy is scored on what it would be allowed to do, and the report
+counts what the filter blocked.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from offline_agent.errors import UserError
+from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter
 from offline_agent.simulate import episode_seed, wilson_interval
 
 __all__ = [
@@ -51,6 +58,8 @@ class EpisodeOutcome:
     discounted_return: float
     steps: int
     errors: tuple[bool, ...]  # is_error of each step
+    blocked: dict[str, int] = field(default_factory=dict)  # {safety rule: candidates it removed}
+    safety_truncated: bool = False  # ended because the safety filter left no candidate
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,12 @@ class EvalReport:
     recoveries: int  # error runs followed by a step without error
     unrecovered: int  # error runs the episode ended in
     mean_retries_to_recover: float | None  # mean length of recovered error runs, None when none
+    safety: tuple[str, ...] = ()  # the safety rules the rollouts ran behind
+    # Candidates the filter removed, counted per rule as fine-tuning's `safety/blocked` is (a candidate two
+    # rules forbid counts twice); blocked_actions is their sum.
+    blocked_actions: int = 0
+    blocked_by_rule: dict[str, int] = field(default_factory=dict)
+    safety_truncated: int = 0  # episodes ended because every candidate was forbidden
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -102,7 +117,9 @@ def discounted_return(rewards: Sequence[float], gamma: float) -> float:
     return float(sum(r * gamma**t for t, r in enumerate(rewards)))
 
 
-def summarize(outcomes: Sequence[EpisodeOutcome], policy: str, env: str, gamma: float) -> EvalReport:
+def summarize(
+    outcomes: Sequence[EpisodeOutcome], policy: str, env: str, gamma: float, safety: Sequence[str] = ()
+) -> EvalReport:
     n = len(outcomes)
     if n == 0:
         raise UserError("no episodes were evaluated: pass --episodes 1 or more")
@@ -114,6 +131,9 @@ def summarize(outcomes: Sequence[EpisodeOutcome], policy: str, env: str, gamma: 
         lengths.extend(ls)
         unrecovered += u
     steps = sum(o.steps for o in outcomes)
+    blocked: dict[str, int] = {}
+    for o in outcomes:
+        _add_blocked(blocked, o.blocked)
     return EvalReport(
         policy=policy,
         env=env,
@@ -129,7 +149,16 @@ def summarize(outcomes: Sequence[EpisodeOutcome], policy: str, env: str, gamma: 
         recoveries=len(lengths),
         unrecovered=unrecovered,
         mean_retries_to_recover=float(np.mean(lengths)) if lengths else None,
+        safety=tuple(safety),
+        blocked_actions=sum(blocked.values()),
+        blocked_by_rule=blocked,
+        safety_truncated=sum(o.safety_truncated for o in outcomes),
     )
+
+
+def _add_blocked(total: dict[str, int], blocked: dict[str, int] | None) -> None:
+    for rule, n in (blocked or {}).items():
+        total[rule] = total.get(rule, 0) + int(n)
 
 
 # --- rollouts --------------------------------------------------------------------------------------
@@ -140,23 +169,64 @@ def _task(env: Any, info: dict[str, Any], observation: dict[str, Any]) -> str:
     return info.get("task") or getattr(env.unwrapped, "task", None) or observation["text"]
 
 
+@dataclass
+class _Playing:
+    """An episode in progress in one environment slot: what its outcome needs so far."""
+
+    index: int
+    seed: int
+    observation: dict[str, Any]
+    history: Any  # the policy's EpisodeHistory
+    rewards: list[float] = field(default_factory=list)
+    errors: list[bool] = field(default_factory=list)
+    blocked: dict[str, int] = field(default_factory=dict)
+
+    def record(self, observation: dict[str, Any], reward: float, info: dict[str, Any]) -> None:
+        self.observation = observation
+        self.rewards.append(float(reward))
+        self.errors.append(bool(info.get("is_error", False)))
+        # The safety wrapper says what it removed from every observation it offers (nothing without a filter).
+        _add_blocked(self.blocked, info.get("safety_blocked"))
+
+    def outcome(self, info: dict[str, Any], gamma: float) -> EpisodeOutcome:
+        return EpisodeOutcome(
+            seed=self.seed,
+            success=bool(info.get("success", False)),
+            episode_return=float(sum(self.rewards)),
+            discounted_return=discounted_return(self.rewards, gamma),
+            steps=len(self.rewards),
+            errors=tuple(self.errors),
+            blocked=self.blocked,
+            safety_truncated=info.get("safety") == ALL_FORBIDDEN,
+        )
+
+
 def rollout_policy(
-    env_spec: str, policy: Any, episodes: int, seed: int = 0, gamma: float = 0.99, n_envs: int = 16
+    env_spec: str,
+    policy: Any,
+    episodes: int,
+    seed: int = 0,
+    gamma: float = 0.99,
+    n_envs: int = 16,
+    safety: Sequence[str] = (),
 ) -> list[EpisodeOutcome]:
     """Play `episodes` episodes; `policy` is a `Policy` or the string `behaviour:SPEC`. Episode i uses reset
-    seed `episode_seed(seed, i)`; outcomes come back in episode order."""
+    seed `episode_seed(seed, i)`; outcomes come back in episode order. With `safety` (rule specs) every
+    environment is behind the safety filter, as in fine-tuning: forbidden candidates are never offered."""
     if episodes < 1:
         raise UserError(f"--episodes must be at least 1, got {episodes}")
     if isinstance(policy, str):
+        if safety:  # its expert indices refer to the unfiltered candidates (see `offline_agent.online.safety`)
+            raise UserError(f"{policy} picks from the environment's own candidates: evaluate it without --safety")
         return _rollout_behaviour(env_spec, policy, episodes, seed, gamma)
-    from offline_agent.envs.loading import make_env
     from offline_agent.learn.policy import EpisodeHistory
+    from offline_agent.online.vector import build_env
 
-    envs = [make_env(env_spec) for _ in range(min(n_envs, episodes))]
+    # build_env wraps before it checks the contract, so not even that check executes a forbidden action.
+    envs = [build_env(env_spec, safety) for _ in range(min(n_envs, episodes))]
     pending = list(range(episodes))[::-1]
     results: dict[int, EpisodeOutcome] = {}
-    # Per slot: episode index, observation, history, rewards, errors.
-    slots: list[dict[str, Any] | None] = [None] * len(envs)
+    slots: list[_Playing | None] = [None] * len(envs)
 
     def start(slot: int) -> None:
         if not pending:
@@ -165,30 +235,21 @@ def rollout_policy(
         index = pending.pop()
         s = episode_seed(seed, index)
         observation, info = envs[slot].reset(seed=s)
-        history = EpisodeHistory(_task(envs[slot], info, observation))
-        slots[slot] = {"index": index, "seed": s, "obs": observation, "history": history, "rewards": [], "errors": []}
+        playing = _Playing(index, s, observation, EpisodeHistory(_task(envs[slot], info, observation)))
+        _add_blocked(playing.blocked, info.get("safety_blocked"))
+        slots[slot] = playing
 
     for slot in range(len(envs)):
         start(slot)
     try:
-        while any(s is not None for s in slots):
-            live = [i for i, s in enumerate(slots) if s is not None]
-            actions = policy.act_batch([slots[i]["history"] for i in live], [slots[i]["obs"] for i in live])
-            for i, action in zip(live, actions, strict=True):
-                st = slots[i]
+        while live := [i for i, s in enumerate(slots) if s is not None]:
+            playing = [slots[i] for i in live]
+            actions = policy.act_batch([p.history for p in playing], [p.observation for p in playing])
+            for i, p, action in zip(live, playing, actions, strict=True):
                 observation, reward, terminated, truncated, info = envs[i].step(action)
-                st["rewards"].append(float(reward))
-                st["errors"].append(bool(info.get("is_error", False)))
-                st["obs"] = observation
+                p.record(observation, reward, info)
                 if terminated or truncated:
-                    results[st["index"]] = EpisodeOutcome(
-                        seed=st["seed"],
-                        success=bool(info.get("success", False)),
-                        episode_return=float(sum(st["rewards"])),
-                        discounted_return=discounted_return(st["rewards"], gamma),
-                        steps=len(st["rewards"]),
-                        errors=tuple(st["errors"]),
-                    )
+                    results[p.index] = p.outcome(info, gamma)
                     start(i)
     finally:
         for env in envs:
@@ -235,13 +296,18 @@ def evaluate(
     device: str = "cpu",
     encoder: Any = None,
     n_envs: int = 16,
+    safety: str | Sequence[str] | None = None,
 ) -> EvalReport:
     """Success rate (95% Wilson interval), returns, steps and recovery of a run's policy in `env`.
 
     `run` is a run folder (or its policy.json), or `behaviour:SPEC` for a scripted policy
-    (`behaviour:noisy:0.5`, `behaviour:expert`, ...).
+    (`behaviour:noisy:0.5`, `behaviour:expert`, ...). `safety` is the filter the rollouts run behind (specs
+    as in `offline_agent.online.safety`): None applies the rules saved with the run (a fine-tuned run's
+    `--safety`; an offline run or a behaviour policy has none), a spec or list of specs replaces them, and
+    `()` evaluates without any.
     """
     run_s = str(run)
+    rules = SafetyFilter.from_spec(safety)  # first, so that a bad spec fails before a model is loaded
     if run_s.startswith(BEHAVIOUR_PREFIX):
         gamma = 0.99
         policy: Any = run_s
@@ -252,8 +318,20 @@ def evaluate(
         policy = Policy.load(run, encoder=encoder, device=device)
         gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
         name = f"{policy.algo} ({run_s})"
-    outcomes = rollout_policy(env, policy, episodes, seed, gamma, n_envs)
-    return summarize(outcomes, name, env, gamma)
+        if safety is None:
+            rules = _saved_safety(policy, run_s)
+    outcomes = rollout_policy(env, policy, episodes, seed, gamma, n_envs, rules.specs)
+    return summarize(outcomes, name, env, gamma, rules.specs)
+
+
+def _saved_safety(policy: Any, run: str) -> SafetyFilter:
+    try:
+        return policy.safety
+    except UserError as exc:  # e.g. a judge module importable where the run was tuned but not here
+        raise UserError(
+            f"{run}: the safety rules saved with it cannot be applied ({exc}); pass --safety SPEC to replace "
+            "them or --no-safety to evaluate without them"
+        ) from None
 
 
 # --- off-policy ------------------------------------------------------------------------------------

@@ -19,6 +19,13 @@ rendered, embeds state and candidates, and returns the index of the best
 candidate. `Policy.score(state_text, candidates)` ranks the actions an LLM
 proposes (strings or tool-call dicts).
 
+`act` chooses among the candidates it is given: the safety rules a fine-tuned
+policy was trained under (`Policy.safety`) are applied by the environment, as
+in fine-tuning and `offline-agent evaluate`, with
+`SafetyWrapper(env, policy.safety)` from `offline_agent.online.safety`, which
+also decides what happens when every candidate is forbidden (a choice the
+policy alone cannot make).
+
 Dimension letters: B decisions, C candidate slots, D embedding width.
 """
 
@@ -30,7 +37,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +46,9 @@ from safetensors.torch import load_file, save_file
 from offline_agent.actions import ActionError, canonical_action
 from offline_agent.errors import UserError
 from offline_agent.learn.networks import build_network
+
+if TYPE_CHECKING:
+    from offline_agent.online.safety import SafetyFilter
 
 FORMAT = "offline-agent-policy"
 FORMAT_VERSION = 1
@@ -175,6 +185,18 @@ class Policy:
     @property
     def algo(self) -> str:
         return str(self.meta.get("algo"))
+
+    @property
+    def safety(self) -> SafetyFilter:
+        """The safety rules saved with the policy (a fine-tuned run's `--safety`; none for an offline run)."""
+        from offline_agent.online.safety import SafetyFilter
+
+        specs = self.meta.get("safety") or []
+        if not isinstance(specs, list) or not all(isinstance(spec, str) for spec in specs):
+            raise UserError(
+                f"policy.json's safety is {specs!r:.80}, not a list of rule specs: the checkpoint is damaged"
+            )
+        return SafetyFilter.from_spec(specs)
 
     # --- embeddings --------------------------------------------------------------------------------
 
