@@ -72,11 +72,6 @@ def test_the_rules_saved_by_finetune_are_applied_and_counted(tuned):
     assert report.safety_truncated == EPISODES and report.success_rate == 0.0 and report.mean_steps == 2.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=UserError,
-    reason="envs.loading.check_contract wants candidates after a truncated step; the wrapper offers none",
-)
 def test_a_trap_reached_by_the_contract_check_itself_is_evaluated_too(tuned):
     report = evaluate(tuned, "online_envs:make_trap", episodes=EPISODES, n_envs=2)
     assert report.safety_truncated == EPISODES and canonical_action(DROP) not in executed()

@@ -146,7 +146,7 @@ def check_contract(env: gym.Env, name: str | None = None, steps: int = 1) -> Non
             raise UserError(
                 f"environment {name!r}: step() returned reward {_short(reward)}, expected a number"
             ) from None
-        _check_observation(name, "step()", observation, env.action_space.n, terminal=bool(terminated))
+        _check_observation(name, "step()", observation, env.action_space.n, terminal=bool(terminated or truncated))
         _check_info(name, "step()", info)
         if terminated or truncated:
             if not isinstance(info.get("success"), bool):
