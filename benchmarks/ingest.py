@@ -3,7 +3,8 @@
 Generates an OpenAI-chat JSONL file of N steps (default 1,000,000), then, each in
 its own process so peak RSS is its own: (floor) orjson.loads of every line and
 nothing else; (naive) json.loads + a pandas DataFrame of steps + to_parquet;
-(ours) `offline_agent.ingest.ingest`. Targets: ours within 3x of the floor, at
+(ours) `offline_agent.ingest.ingest`, with its fast OpenAI-chat path and, for comparison, with
+`engine="python"` (the reference adapters only). Targets: ours within 3x of the floor, at
 least 3x faster than naive, peak RSS under 1 GB.
 """
 
@@ -78,10 +79,10 @@ def run_naive(path: str, out: str) -> None:
     pd.DataFrame(rows).to_parquet(out)
 
 
-def run_ours(path: str, out: str) -> None:
+def run_ours(path: str, out: str, engine: str = "auto") -> None:
     from offline_agent.ingest import ingest
 
-    ingest([path], out, overwrite=True)
+    ingest([path], out, overwrite=True, engine=engine)
 
 
 def _child(which: str, *args: str) -> None:
@@ -115,13 +116,16 @@ def main() -> None:
         records = generate(logs, args.steps)
         size_mb = logs.stat().st_size / 1e6
         results = {}
-        for which, extra in (("floor", []), ("ours", [str(Path(tmp) / "ds")]), ("naive", [str(Path(tmp) / "n.pq")])):
-            results[which] = measure(which, str(logs), *extra)
+        for key, which, extra in (("floor", "floor", []), ("ours", "ours", [str(Path(tmp) / "ds")]),
+                                  ("reference", "ours", [str(Path(tmp) / "ref"), "python"]),
+                                  ("naive", "naive", [str(Path(tmp) / "n.pq")])):
+            results[key] = measure(which, str(logs), *extra)
     floor = results["floor"][0]
     rows = [
         [name, f"{sec:.1f}", f"{args.steps / sec:,.0f}", f"{sec / floor:.2f}x", f"{mb:,.0f}"]
         for name, (sec, mb) in (("orjson parse only (floor)", results["floor"]),
                                 ("offline-agent ingest", results["ours"]),
+                                ("offline-agent ingest --engine python (reference adapters)", results["reference"]),
                                 ("naive json + pandas + to_parquet", results["naive"]))
     ]
     ours, naive = results["ours"][0], results["naive"][0]

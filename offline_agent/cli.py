@@ -70,6 +70,9 @@ def ingest_command(
     append: bool = typer.Option(False, "--append", help="add these sources to an existing dataset"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing dataset"),
     name: str | None = typer.Option(None, "--name", help="dataset name (default: folder name)"),
+    engine: str = typer.Option(
+        "auto", "--engine", help="auto (fast paths where a format has one) | python (reference adapters; same result)"
+    ),
 ) -> None:
     """Convert agent logs into a Parquet trajectory dataset; unreadable records go to its quarantine."""
     from offline_agent.dataset import validate_split_fractions
@@ -85,7 +88,7 @@ def ingest_command(
     summary = ingest(
         paths, out, fmt=fmt, mapping=parse_mapping(map_), reward=reward, gamma=gamma,
         success_threshold=success_threshold, split=validate_split_fractions(*fractions), strict=strict,
-        append=append, overwrite=overwrite, name=name, progress=sys.stderr.isatty(),
+        append=append, overwrite=overwrite, name=name, progress=sys.stderr.isatty(), engine=engine,
     )
     _print_ingest_summary(summary)
 

@@ -64,12 +64,15 @@ def validate_split_fractions(train: float, valid: float, test: float) -> dict[st
 
 def episode_digest(episode_id: str, actions: list[str], observations: list[str], rewards: list[float]) -> str:
     """Content hash of one episode; the dataset fingerprint combines these, so it does not depend on file layout."""
-    h = hashlib.sha256()
-    h.update(episode_id.encode())
-    for a, o, r in zip(actions, observations, rewards, strict=True):
-        h.update(b"\x00" + a.encode(errors="surrogatepass") + b"\x01" + o.encode(errors="surrogatepass"))
-        h.update(f"\x02{r:.6g}".encode())
-    return h.hexdigest()
+    if not len(actions) == len(observations) == len(rewards):
+        raise ValueError("actions, observations and rewards must have one entry per step")
+    # Per step: \x00 action \x01 observation \x02 reward (%.6g), encoded once as one string (the same
+    # bytes as encoding each piece: the separators keep surrogates of different pieces apart).
+    body = "".join(map(_STEP_DIGEST_FORMAT, actions, observations, rewards))
+    return hashlib.sha256(episode_id.encode() + body.encode(errors="surrogatepass")).hexdigest()
+
+
+_STEP_DIGEST_FORMAT = "\x00{}\x01{}\x02{:.6g}".format
 
 
 def combine_digests(digests: dict[str, str]) -> str:

@@ -133,6 +133,39 @@ class Episode:
     #: the ingest summary reconciles records read against these and the quarantine
     records: int = 1
 
+    @property
+    def n_steps(self) -> int:
+        return len(self.steps)
+
+
+@dataclass(slots=True)
+class ColumnarEpisode:
+    """An episode already laid out as step columns, for adapters on a hot path (no `Step` per step).
+
+    Its steps carry no log rewards or scores (the dataset reward comes from `outcome`
+    alone) and no candidates; `infos` holds each step's info dict or None.
+    """
+
+    episode_id: str
+    observations: list[str]
+    actions: list[str]
+    action_kinds: list[str]
+    tool_names: list[str | None]
+    tool_args: list[str | None]
+    is_error: list[bool]
+    infos: list[dict[str, Any] | None]
+    task: str | None = None
+    agent: str | None = None
+    outcome: float | None = None
+    success: bool | None = None
+    truncated: bool = False
+    metadata: dict[str, Any] = field(default_factory=dict)
+    records: int = 1
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.actions)
+
 
 @dataclass
 class Quarantined:

@@ -13,6 +13,7 @@ import datetime as dt
 import os
 import shutil
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,9 +32,9 @@ from offline_agent.dataset import (
 )
 from offline_agent.errors import UserError
 from offline_agent.ingest.options import SourceOptions
-from offline_agent.ingest.parallel import MIN_PARALLEL_BYTES, default_workers, parallel_chunks
+from offline_agent.ingest.parallel import MIN_PARALLEL_BYTES, default_workers, parallel_chunks, scan, start_pool
 from offline_agent.ingest.readers import read_records, sniff_layout
-from offline_agent.ingest.registry import FORMATS, resolve_adapter, user_adapter_items
+from offline_agent.ingest.registry import FAST_FORMATS, FORMATS, resolve_adapter, user_adapter_items
 from offline_agent.ingest.writer import (
     REWARD_MODES,
     ROWS_PER_GROUP,
@@ -45,6 +46,7 @@ from offline_agent.ingest.writer import (
 from offline_agent.schema import QUARANTINE_SCHEMA, SCHEMA_VERSION, Episode, Quarantined
 
 LOG_SUFFIXES = (".jsonl", ".json", ".ndjson")
+ENGINES = ("auto", "python")
 
 
 @dataclass
@@ -110,8 +112,15 @@ def ingest(
     name: str | None = None,
     progress: bool = False,
     workers: int | None = None,
+    engine: str = "auto",
 ) -> IngestSummary:
-    """Ingest log files into the dataset at `out` (see the module docstring); returns the reconciled summary."""
+    """Ingest log files into the dataset at `out` (see the module docstring); returns the reconciled summary.
+
+    `engine`: "auto" takes the fast adapter where a format has one (OpenAI chat: plain records
+    straight into columns); "python" takes the reference adapters only. Both give the same dataset.
+    """
+    if engine not in ENGINES:
+        raise UserError(f"unknown --engine {engine!r}: use one of {', '.join(ENGINES)}")
     if reward not in REWARD_MODES:
         raise UserError(f"unknown --reward {reward!r}: use one of {', '.join(REWARD_MODES)}")
     if not 0.0 <= gamma <= 1.0:
@@ -130,10 +139,15 @@ def ingest(
         writer = StreamingWriter(tmp, f"part-{part:05d}")
         settings = RowSettings(reward, gamma, split, success_threshold)
         quarantined: list[tuple[str, Quarantined]] = []
-        run = _SourceRun(writer, settings, known_ids, known_sha, quarantined, workers or default_workers())
-        with _progress(progress) as bar:
-            for path in files:
-                summary.sources.append(run.ingest(path, fmt, mapping, bar))
+        run = _SourceRun(
+            writer, settings, known_ids, known_sha, quarantined, workers or default_workers(), engine == "auto"
+        )
+        try:
+            with _progress(progress) as bar:
+                for path in files:
+                    summary.sources.append(run.ingest(path, fmt, mapping, bar))
+        finally:
+            run.close()
         writer.close()
         if strict and quarantined:
             first = "; ".join(f"{s} {q.location}: {q.reason}" for s, q in quarantined[:3])
@@ -206,17 +220,14 @@ class _SourceRun:
     known_sha: set[str]
     quarantined: list[tuple[str, Quarantined]]
     workers: int
+    fast: bool
+
+    _pool: ProcessPoolExecutor | None = None
 
     def ingest(self, path: Path, fmt: str, mapping: dict[str, str], bar) -> SourceSummary:
-        sha = file_sha256(path)
         adapter_name, adapter = resolve_adapter(fmt, path, mapping) if path.stat().st_size else (fmt, None)
-        source = SourceSummary(path=str(path), sha256=sha, format=adapter_name)
-        if sha in self.known_sha:
-            source.skipped = "already ingested (same sha256)"
-            return source
-        self.known_sha.add(sha)
-        opts = SourceOptions(source=str(path), stem=path.stem, sha256=sha, mapping=mapping)
-        task = bar.add_task(f"ingest {path.name}", total=None) if bar else None
+        if self.fast and adapter is not None:
+            adapter = FAST_FORMATS.get(adapter_name, adapter)
         parallel = (
             self.workers > 1
             and adapter is not None
@@ -225,14 +236,32 @@ class _SourceRun:
             and path.stat().st_size >= MIN_PARALLEL_BYTES
             and sniff_layout(path) == "jsonl"
         )
+        if parallel and self._pool is None:
+            self._pool = start_pool(self.workers)
+        sha, chunks = scan(path) if parallel else (file_sha256(path), [])
+        source = SourceSummary(path=str(path), sha256=sha, format=adapter_name)
+        if sha in self.known_sha:
+            source.skipped = "already ingested (same sha256)"
+            return source
+        self.known_sha.add(sha)
+        opts = SourceOptions(source=str(path), stem=path.stem, sha256=sha, mapping=mapping)
+        task = bar.add_task(f"ingest {path.name}", total=None) if bar else None
         if parallel:
-            for result in parallel_chunks(path, adapter_name, opts, self.settings, self.workers):
+            results = parallel_chunks(
+                self._pool, self.workers, path, chunks, adapter_name, opts, self.settings, self.fast
+            )
+            for result in results:
                 self._take_chunk(result, source)
                 if bar:
                     bar.update(task, completed=source.records_read)
         else:
             self._ingest_sequentially(path, adapter_name, adapter, opts, source, bar, task)
         return source
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+            self._pool = None
 
     def _ingest_sequentially(self, path, adapter_name, adapter, opts, source, bar, task) -> None:
         rows = EpisodeRows(self.settings)
@@ -250,7 +279,7 @@ class _SourceRun:
                     rows.add(item, str(path))
                     source.records_ingested += item.records
                     source.episodes += 1
-                    source.steps += len(item.steps)
+                    source.steps += item.n_steps
                     if rows.n_steps >= ROWS_PER_GROUP:
                         self.writer.write(rows.build())
             if bar and source.records_read % 1000 == 0:

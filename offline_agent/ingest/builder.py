@@ -95,6 +95,10 @@ class EpisodeBuilder:
 
 def looks_like_error(text: str) -> bool:
     """Tool results that report a failure in their text, as most agent stacks do ("Error: ...")."""
+    # Most results start with neither a space nor e/f/t (the words' initials), and no other character
+    # lowercases to one of those, so they are settled without copying the text.
+    if not text or (text[0] not in "eEfFtT" and not text[0].isspace()):
+        return False
     head = text.lstrip()[:40].lower()
     return head.startswith(("error", "exception", "traceback", "failed"))
 

@@ -10,6 +10,7 @@ most two ranges per worker are in flight, which bounds memory.
 
 from __future__ import annotations
 
+import hashlib
 import multiprocessing
 import os
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from offline_agent.ingest.writer import EpisodeRows, RowGroup, RowSettings
 from offline_agent.schema import Quarantined
 
 CHUNK_BYTES = 16 << 20
+BLOCK_BYTES = 4 << 20
 #: Below this size the start-up of worker processes costs more than it saves.
 MIN_PARALLEL_BYTES = 48 << 20
 
@@ -47,31 +49,46 @@ class ChunkResult:
     duplicates: int
 
 
-def plan_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+def plan_chunks(path: Path, chunk_bytes: int | None = None) -> list[Chunk]:
     """Byte ranges of about `chunk_bytes`, each starting at a line start, with that line's number."""
-    chunks, start, lineno = [], 0, 1
-    size = path.stat().st_size
+    return scan(path, chunk_bytes)[1]
+
+
+def scan(path: Path, chunk_bytes: int | None = None) -> tuple[str, list[Chunk]]:
+    """(sha256, chunks) of a file in one read: a range ends after the first newline at or past its size."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES  # read at call time, so tests can make chunks small
+    digest = hashlib.sha256()
+    chunks: list[Chunk] = []
+    start, lineno = 0, 1
+    offset, newlines_before = 0, 0  # of the current block
     with open(path, "rb") as f:
-        while start < size:
-            f.seek(start + chunk_bytes)
-            f.readline()  # move to the end of the line the cut fell in
-            end = min(f.tell(), size) if start + chunk_bytes < size else size
-            chunks.append(Chunk(start, end, lineno))
-            f.seek(start)
-            lineno += f.read(end - start).count(b"\n")
-            start = end
-    return chunks
+        while block := f.read(BLOCK_BYTES):
+            digest.update(block)
+            cut = block.find(b"\n", max(0, start + chunk_bytes - offset))
+            while cut >= 0:
+                end = offset + cut + 1
+                chunks.append(Chunk(start, end, lineno))
+                start, lineno = end, newlines_before + block.count(b"\n", 0, cut + 1) + 1
+                cut = block.find(b"\n", max(cut + 1, start + chunk_bytes - offset))
+            offset += len(block)
+            newlines_before += block.count(b"\n")
+    if start < offset:
+        chunks.append(Chunk(start, offset, lineno))
+    return digest.hexdigest(), chunks
 
 
-def process_chunk(path: Path, chunk: Chunk, fmt: str, opts: SourceOptions, settings: RowSettings) -> ChunkResult:
+def process_chunk(
+    path: Path, chunk: Chunk, fmt: str, opts: SourceOptions, settings: RowSettings, fast: bool = True
+) -> ChunkResult:
     """Worker side: one byte range through the adapter into a row group (duplicates within it dropped)."""
-    from offline_agent.ingest.registry import FORMATS
+    from offline_agent.ingest.registry import FAST_FORMATS, FORMATS
 
+    adapter = FAST_FORMATS.get(fmt, FORMATS[fmt]) if fast else FORMATS[fmt]
     rows = EpisodeRows(settings)
     quarantined: list[Quarantined] = []
     seen: set[str] = set()
     read = duplicates = 0
-    for item in FORMATS[fmt](read_jsonl_range(path, chunk.start, chunk.end, chunk.first_lineno), opts):
+    for item in adapter(read_jsonl_range(path, chunk.start, chunk.end, chunk.first_lineno), opts):
         if isinstance(item, Quarantined):
             read += 1
             quarantined.append(item)
@@ -85,23 +102,35 @@ def process_chunk(path: Path, chunk: Chunk, fmt: str, opts: SourceOptions, setti
     return ChunkResult(rows.build(), quarantined, read, duplicates)
 
 
-def parallel_chunks(
-    path: Path, fmt: str, opts: SourceOptions, settings: RowSettings, workers: int
-) -> Iterator[ChunkResult]:
-    """Chunk results in file order, computed by `workers` processes."""
-    chunks = plan_chunks(path)
+def start_pool(workers: int) -> ProcessPoolExecutor:
+    """Worker processes, started now so that they import while this process is still reading the file."""
     # spawn, not fork: the parent may hold Arrow/DuckDB thread pools, which do not survive a fork.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        in_flight: list[Future[ChunkResult]] = []
-        queue = iter(chunks)
-        for chunk in queue:
-            in_flight.append(pool.submit(process_chunk, path, chunk, fmt, opts, settings))
-            if len(in_flight) >= 2 * workers:
-                break
-        while in_flight:
-            result = in_flight.pop(0).result()
-            next_chunk = next(queue, None)
-            if next_chunk is not None:
-                in_flight.append(pool.submit(process_chunk, path, next_chunk, fmt, opts, settings))
-            yield result
+    pool = ProcessPoolExecutor(
+        max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_up
+    )
+    for _ in range(workers):  # processes start on demand: ask for all of them now
+        pool.submit(int)
+    return pool
+
+
+def _warm_up() -> None:
+    import offline_agent.ingest.registry  # noqa: F401  (the adapters and pyarrow, imported once per worker)
+
+
+def parallel_chunks(
+    pool: ProcessPoolExecutor, workers: int, path: Path, chunks: list[Chunk], fmt: str, opts: SourceOptions,
+    settings: RowSettings, fast: bool = True,
+) -> Iterator[ChunkResult]:
+    """Chunk results in file order, computed by the pool's `workers` processes, two chunks each in flight."""
+    in_flight: list[Future[ChunkResult]] = []
+    queue = iter(chunks)
+    for chunk in queue:
+        in_flight.append(pool.submit(process_chunk, path, chunk, fmt, opts, settings, fast))
+        if len(in_flight) >= 2 * workers:
+            break
+    while in_flight:
+        result = in_flight.pop(0).result()
+        next_chunk = next(queue, None)
+        if next_chunk is not None:
+            in_flight.append(pool.submit(process_chunk, path, next_chunk, fmt, opts, settings, fast))
+        yield result

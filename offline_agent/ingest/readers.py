@@ -32,7 +32,7 @@ class Record:
 
     def raw_text(self) -> str:
         if self.raw is not None:
-            return _text(self.raw)
+            return _text(self.raw)  # a JSONL line still has its newline: _text strips it
         return orjson.dumps(self.value, option=orjson.OPT_NON_STR_KEYS).decode()[:MAX_RAW_CHARS]
 
 
@@ -93,28 +93,34 @@ def read_jsonl_range(path: Path, start: int, end: int | None, first_lineno: int)
             if end is not None and position >= end:
                 break
             position += len(line)
-            if not line.strip():
-                continue
-            location = f"line {lineno}"
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield Quarantined(
-                    location, f"bytes that are not UTF-8 at byte {exc.start}: re-encode the file as UTF-8", _text(line)
-                )
-                continue
-            try:
-                value = orjson.loads(line)
-            except orjson.JSONDecodeError as exc:
-                truncated = not line.endswith(b"\n")
-                reason = (
-                    f"truncated JSON on the last line ({exc}): the file was cut off while being written"
-                    if truncated
-                    else f"malformed JSON ({exc}): fix or remove this line"
-                )
-                yield Quarantined(location, reason, _text(line))
-                continue
-            yield Record(location, value, line.rstrip(b"\r\n"))
+            item = line_item(lineno, line)
+            if item is not None:
+                yield item
+
+
+def line_item(lineno: int, line: bytes) -> Record | Quarantined | None:
+    """The record on one JSONL line (with its newline, if it had one), its quarantine entry, or None if blank."""
+    try:
+        # orjson checks UTF-8 itself: a line is decoded separately only to say why it failed.
+        return Record(f"line {lineno}", orjson.loads(line), line)
+    except orjson.JSONDecodeError as exc:
+        error = exc
+    if not line.strip():
+        return None
+    location = f"line {lineno}"
+    try:
+        line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Quarantined(
+            location, f"bytes that are not UTF-8 at byte {exc.start}: re-encode the file as UTF-8", _text(line)
+        )
+    truncated = not line.endswith(b"\n")
+    reason = (
+        f"truncated JSON on the last line ({error}): the file was cut off while being written"
+        if truncated
+        else f"malformed JSON ({error}): fix or remove this line"
+    )
+    return Quarantined(location, reason, _text(line))
 
 
 def _read_json_document(path: Path) -> Iterator[Record | Quarantined]:

@@ -24,7 +24,15 @@ import pyarrow.parquet as pq
 from offline_agent.actions import TOOL_CALL, parse_action
 from offline_agent.dataset import episode_digest, split_of
 from offline_agent.rewards import discounted_returns
-from offline_agent.schema import EPISODES_SCHEMA, QUARANTINE_SCHEMA, STEPS_SCHEMA, Episode, Quarantined, Step
+from offline_agent.schema import (
+    EPISODES_SCHEMA,
+    QUARANTINE_SCHEMA,
+    STEPS_SCHEMA,
+    ColumnarEpisode,
+    Episode,
+    Quarantined,
+    Step,
+)
 
 REWARD_MODES = ("outcome", "per-step", "score-delta")
 ROWS_PER_GROUP = 65_536
@@ -98,7 +106,10 @@ class EpisodeRows:
     def n_steps(self) -> int:
         return len(self._steps["step"])
 
-    def add(self, episode: Episode, source: str) -> None:
+    def add(self, episode: Episode | ColumnarEpisode, source: str) -> None:
+        if isinstance(episode, ColumnarEpisode):
+            self._add_columns(episode, source)
+            return
         settings = self.settings
         rewards = step_rewards(episode, settings.reward_mode)
         n = len(episode.steps)
@@ -124,6 +135,37 @@ class EpisodeRows:
             cols["candidates"].append(s.candidates)
             cols["info"].append(_json(self._step_info(s, r)))
             self._episode_index.append(index)
+        self._add_episode(episode, source, rewards, [s.action for s in episode.steps],
+                          [s.observation for s in episode.steps])
+
+    def _add_columns(self, episode: ColumnarEpisode, source: str) -> None:
+        """`add` for an episode already in columns: whole columns are extended, nothing is parsed again."""
+        n = episode.n_steps
+        rewards = [0.0] * n
+        if self.settings.reward_mode == "outcome":  # it has no log rewards or scores: the other modes give 0
+            rewards[-1] = float(episode.outcome or 0.0)
+        cols = self._steps
+        last = [False] * (n - 1)
+        cols["episode_id"].extend([episode.episode_id] * n)
+        cols["step"].extend(range(n))
+        cols["observation"].extend(episode.observations)
+        cols["action"].extend(episode.actions)
+        cols["action_kind"].extend(episode.action_kinds)
+        cols["tool_name"].extend(episode.tool_names)
+        cols["tool_args"].extend(episode.tool_args)
+        cols["reward"].extend(rewards)
+        cols["terminated"].extend([*last, not episode.truncated])
+        cols["truncated"].extend([*last, episode.truncated])
+        cols["is_error"].extend(episode.is_error)
+        cols["candidates"].extend([None] * n)
+        cols["info"].extend([None if info is None else _json(info) for info in episode.infos])
+        self._episode_index.extend([len(self._episodes["episode_id"])] * n)
+        self._add_episode(episode, source, rewards, episode.actions, episode.observations)
+
+    def _add_episode(self, episode: Episode | ColumnarEpisode, source: str, rewards: list[float],
+                     actions: list[str], observations: list[str]) -> None:
+        settings = self.settings
+        n = episode.n_steps
         outcome = episode.outcome
         if episode.success is not None:
             success = episode.success
@@ -140,9 +182,7 @@ class EpisodeRows:
         e["outcome"].append(outcome)
         e["split"].append(split_of(episode.episode_id, settings.split))
         e["metadata"].append(_json(episode.metadata))
-        self._digests[episode.episode_id] = episode_digest(
-            episode.episode_id, [s.action for s in episode.steps], [s.observation for s in episode.steps], rewards
-        )
+        self._digests[episode.episode_id] = episode_digest(episode.episode_id, actions, observations, rewards)
 
     def _step_info(self, s: Step, reward: float) -> dict[str, Any]:
         # The log's own numbers are kept even when the dataset's reward is something else,
@@ -157,10 +197,9 @@ class EpisodeRows:
     def build(self) -> RowGroup:
         rewards = np.asarray(self._steps["reward"], dtype=np.float64)
         returns = discounted_returns(rewards, np.asarray(self._episode_index, dtype=np.int64), self.settings.gamma)
-        steps = pa.table({**self._steps, "return_to_go": returns.astype(np.float32)}).select(STEPS_SCHEMA.names)
-        group = RowGroup(
-            steps.cast(STEPS_SCHEMA), pa.table(self._episodes, schema=EPISODES_SCHEMA), dict(self._digests)
-        )
+        # Converted straight to the schema's types (no inference, then a cast, of a million values).
+        steps = pa.table({**self._steps, "return_to_go": returns.astype(np.float32)}, schema=STEPS_SCHEMA)
+        group = RowGroup(steps, pa.table(self._episodes, schema=EPISODES_SCHEMA), dict(self._digests))
         self._reset()
         return group
 
