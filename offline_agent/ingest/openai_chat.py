@@ -10,7 +10,6 @@ simulators write and real logs may have: `candidates` on an assistant message
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import orjson
@@ -19,7 +18,7 @@ from offline_agent.actions import FINAL, MESSAGE, TOOL_CALL, ActionError, canoni
 from offline_agent.ingest.builder import EpisodeBuilder, RecordError, as_float, looks_like_error, text_of
 from offline_agent.ingest.options import SourceOptions, other_fields, require_dict, require_list
 from offline_agent.ingest.readers import Record
-from offline_agent.schema import ColumnarEpisode, Episode, Quarantined
+from offline_agent.schema import ColumnarEpisode, Episode
 
 MESSAGES = ("messages", "traj")
 OUTCOME = ("reward", "score", "outcome")
@@ -119,7 +118,7 @@ def _agent(r: dict) -> str | None:
 #
 # `adapt_record` builds a `Step` per decision and canonicalises every call afresh: about 10 µs a
 # step, 15x the cost of parsing the line. Most records of a large log have the plain shape below,
-# so `adapt_fast` builds those straight into columns, with canonical actions cached by (name,
+# so `plain_episode` builds those straight into columns, with canonical actions cached by (name,
 # arguments string), and hands every other record to `adapt_record`. "Plain": string (or null)
 # contents, roles among ROLES, tool calls `{"id": str, "function": {...}}` whose ids are not
 # reused while open, every result answering an open call, and none of the extras
@@ -129,25 +128,6 @@ def _agent(r: dict) -> str | None:
 EXTRAS = frozenset({*RESULT_EXTRAS, "candidates"})
 #: Distinct (name, arguments) pairs remembered per source; a bound, so memory stays flat.
 MAX_CACHED_CALLS = 100_000
-
-
-def adapt_fast(items: Iterable[Record | Quarantined], opts: SourceOptions) -> Iterator[Any]:
-    """`adapt_record` on every record, quarantining what it refuses, with plain records taken the fast way."""
-    calls: dict[tuple[str, str], tuple[str, str]] = {}
-    for item in items:
-        if isinstance(item, Quarantined):
-            yield item
-            continue
-        if len(calls) > MAX_CACHED_CALLS:
-            calls.clear()
-        episode = plain_episode(item, opts, calls)
-        if episode is not None:
-            yield episode
-            continue
-        try:
-            yield adapt_record(item, opts)
-        except (RecordError, ActionError) as exc:
-            yield Quarantined(item.location, str(exc), item.raw_text())
 
 
 def plain_episode(record: Record, opts: SourceOptions, calls: dict) -> ColumnarEpisode | None:
@@ -160,6 +140,8 @@ def plain_episode(record: Record, opts: SourceOptions, calls: dict) -> ColumnarE
     r = record.value
     if type(r) is not dict:
         return None
+    if len(calls) > MAX_CACHED_CALLS:
+        calls.clear()
     messages = opts.lookup(r, "messages", MESSAGES)
     if type(messages) is not list:
         return None

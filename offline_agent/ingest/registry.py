@@ -20,7 +20,7 @@ from offline_agent.ingest import anthropic, openai_chat, parallel_lists, steps_j
 from offline_agent.ingest.builder import RecordError
 from offline_agent.ingest.options import SourceOptions
 from offline_agent.ingest.readers import Record, read_records
-from offline_agent.schema import Episode, Quarantined, Step
+from offline_agent.schema import ColumnarEpisode, Episode, Quarantined, Step
 
 Adapter = Callable[[Iterable[Record | Quarantined], SourceOptions], Iterator[Episode | Quarantined]]
 
@@ -46,8 +46,33 @@ FORMATS: dict[str, Adapter] = {
     "steps-jsonl": steps_jsonl.adapt_stream,
 }
 
+def per_record_fast(
+    build: Callable[[Record, SourceOptions, dict], ColumnarEpisode | None],
+    adapt_record: Callable[[Record, SourceOptions], Episode],
+) -> Adapter:
+    """`per_record(adapt_record)`, except that records `build` can lay out in columns skip the adapter.
+
+    `build(record, options, cache)` returns None for a record it does not vouch for; `cache` is its
+    own memo, kept for one source.
+    """
+    reference = per_record(adapt_record)
+
+    def adapt(
+        items: Iterable[Record | Quarantined], opts: SourceOptions
+    ) -> Iterator[Episode | ColumnarEpisode | Quarantined]:
+        cache: dict = {}
+        for item in items:
+            episode = None if isinstance(item, Quarantined) else build(item, opts, cache)
+            if episode is None:
+                yield from reference([item], opts)
+            else:
+                yield episode
+
+    return adapt
+
+
 #: Faster adapters with the same output, used by `ingest` unless it is asked for `engine="python"`.
-FAST_FORMATS: dict[str, Adapter] = {"openai-chat": openai_chat.adapt_fast}
+FAST_FORMATS: dict[str, Adapter] = {"openai-chat": per_record_fast(openai_chat.plain_episode, openai_chat.adapt_record)}
 
 
 UNREADABLE = "unreadable"
