@@ -225,7 +225,10 @@ class _progress:
 
 
 def _render(task: str | None, turns: Sequence[tuple[str, str]], observation: str) -> str:
-    lines = [f"Task: {task}"] if task else []
+    # Chat logs without a task field take the first user message as the task; it also opens the first
+    # observation, and one copy is enough in a window of a few hundred tokens.
+    shown = bool(task) and any(obs.startswith(task) for obs in [*(o for o, _ in turns), observation])
+    lines = [f"Task: {task}"] if task and not shown else []
     for obs, act in turns:
         lines.append(f"[obs] {obs}")
         lines.append(f"[act] {act}")
@@ -265,7 +268,8 @@ def render_state(
         ...
         [obs] <current observation>
 
-    The task line is left out when there is no task. With `max_tokens` and `count_tokens` (e.g.
+    The task line is left out when there is no task, or when an observation shown starts with it
+    (chat logs whose task is their first user message). With `max_tokens` and `count_tokens` (e.g.
     `TextEncoder.count_tokens` and its `max_length`), a text that is too long loses its oldest turns
     first, because an encoder truncates from the end and would otherwise cut the current observation;
     with no turns left, the task is cut to half the budget and the observation to what remains, both

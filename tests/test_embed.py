@@ -110,6 +110,15 @@ def test_render_state_exact_text():
     assert render_state("t", turns, "o4", k=0) == "Task: t\n[obs] o4"
 
 
+def test_a_task_that_opens_an_observation_is_shown_once():
+    # A chat log's task is its first user message, which is also the start of the first observation.
+    assert render_state("book a flight", [], "book a flight\nfrom Paris") == "[obs] book a flight\nfrom Paris"
+    turns = [("book a flight", "search()"), ("3 flights", "pick(1)")]
+    assert render_state("book a flight", turns, "booked", k=2).startswith("[obs] book a flight\n[act] search()")
+    assert render_state("book a flight", turns, "booked", k=1).startswith("Task: book a flight\n[obs] 3 flights")
+    assert render_state("flight", [], "a flight") == "Task: flight\n[obs] a flight"
+
+
 def test_render_state_drops_the_oldest_turns_first():
     turns = [("one two", "three"), ("four five", "six"), ("seven", "eight")]
     full = render_state("do it", turns, "now here", k=3)
@@ -225,7 +234,7 @@ def test_dataset_texts_renders_each_step_from_its_own_episode(tmp_path):
     assert texts.actions == steps["action"]
     tasks = dict(zip(*ds.episodes_table().select(["episode_id", "task"]).to_pydict().values(), strict=True))
     for i, (episode_id, step) in enumerate(zip(steps["episode_id"], steps["step"], strict=True)):
-        assert texts.states[i].startswith(f"Task: {tasks[episode_id]}\n")
+        assert texts.states[i].count(tasks[episode_id]) == 1  # the task, shown once (here it opens the logs)
         assert texts.states[i].count("[act]") == step  # only the turns of its own episode
         assert texts.states[i].endswith(f"[obs] {steps['observation'][i]}")
     assert texts.candidates == sorted(['{"name":"load","arguments":{"table":"orders"}}', "give up"])
