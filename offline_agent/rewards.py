@@ -14,7 +14,6 @@ row, equal within an episode, episodes contiguous.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 from collections.abc import Callable
@@ -27,6 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from offline_agent.errors import UserError
+from offline_agent.plugins import load_user_function
 
 if TYPE_CHECKING:
     from offline_agent.dataset import TrajectoryDataset
@@ -303,17 +303,7 @@ def _parse_number(spec: str, name: str, arg: str) -> float:
 def load_potential(ref: str) -> Potential:
     """Import a user potential `module.path:function`; it is called with one step row (a dict)."""
     module_name, _, function_name = ref.rpartition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(
-            f"cannot import the shaping potential's module {module_name!r} ({exc}); "
-            "install it or add its folder to PYTHONPATH"
-        ) from None
-    function = getattr(module, function_name, None)
-    if not callable(function):
-        raise UserError(f"{module_name!r} has no function {function_name!r} to use as a shaping potential")
-    return function
+    return load_user_function(module_name, function_name, f"the shaping potential {ref!r}")
 
 
 # --- composing a spec over a steps table -----------------------------------------------------------

@@ -268,9 +268,9 @@ def test_parse_reward_spec(spec, canonical):
         ("shaping:foo", "shaping potential 'foo' is neither 'subgoals' nor module:function"),
         (
             "shaping:no_such_module_xyz:phi",
-            "cannot import the shaping potential's module 'no_such_module_xyz'",
+            "cannot import module 'no_such_module_xyz' for the shaping potential 'no_such_module_xyz:phi'",
         ),
-        ("shaping:json:no_such_function", "'json' has no function 'no_such_function'"),
+        ("shaping:json:no_such_function", "module 'json' has no function 'no_such_function' for the shaping"),
     ],
 )
 def test_bad_reward_spec_messages(spec, message):

@@ -41,7 +41,7 @@ def test_specs_split_on_semicolons_only_where_a_new_rule_starts():
         ("deny:", "is empty"),
         ("deny: , ", "names no tool"),
         ("regex:(unclosed", "invalid regular expression"),
-        ("callable:no_such_module_xyz:judge", "cannot import 'no_such_module_xyz'"),
+        ("callable:no_such_module_xyz:judge", "cannot import module 'no_such_module_xyz' for safety rule"),
         ("callable:online_envs:missing", "has no function 'missing'"),
         ("callable:judge", "must name module.path:function"),
     ],

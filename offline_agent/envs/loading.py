@@ -25,9 +25,6 @@ The contract every environment follows, built-in or the user's:
 from __future__ import annotations
 
 import difflib
-import importlib
-import os
-import sys
 from typing import Any
 
 import gymnasium as gym
@@ -35,6 +32,7 @@ from gymnasium import spaces
 
 from offline_agent.actions import ActionError, canonical_action
 from offline_agent.errors import UserError
+from offline_agent.plugins import describe, import_user_module
 
 CONTRACT = "an observation {'text': str, 'candidates': [str | {'name': str, 'arguments': dict}, ...]}"
 
@@ -69,21 +67,7 @@ def _from_module(spec: str, kwargs: dict[str, Any]) -> gym.Env:
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UserError(f"environment spec {spec!r} must look like 'module.path:factory'")
-    # Users run the CLI next to their environment module, as they would `python -c "import my_env"`.
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name == module_name or module_name.startswith(f"{exc.name}."):
-            raise UserError(
-                f"cannot import module {module_name!r} of environment spec {spec!r}: run from the directory "
-                f"that holds it, or add that directory to PYTHONPATH"
-            ) from None
-        raise UserError(f"importing {module_name!r} for environment spec {spec!r} failed: {_describe(exc)}") from None
-    except Exception as exc:
-        raise UserError(f"importing {module_name!r} for environment spec {spec!r} failed: {_describe(exc)}") from None
+    module = import_user_module(module_name, f"environment spec {spec!r}")
     factory = getattr(module, attr, None)
     if factory is None and attr in gym.registry:  # gymnasium's own `module:EnvId` form
         return _build(spec, lambda: gym.make(attr, **kwargs))
@@ -105,12 +89,7 @@ def _build(spec: str, build: Any) -> gym.Env:
     except UserError:
         raise
     except Exception as exc:
-        raise UserError(f"creating environment {spec!r} failed: {_describe(exc)}") from None
-
-
-def _describe(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
+        raise UserError(f"creating environment {spec!r} failed: {describe(exc)}") from None
 
 
 def check_contract(env: gym.Env, name: str | None = None, steps: int = 1) -> None:
@@ -161,7 +140,7 @@ def _call(name: str, what: str, fn: Any) -> Any:
     try:
         return fn()
     except Exception as exc:
-        raise UserError(f"environment {name!r}: {what} raised {_describe(exc)}") from None
+        raise UserError(f"environment {name!r}: {what} raised {describe(exc)}") from None
 
 
 def _check_observation(name: str, where: str, observation: Any, n_actions: int, terminal: bool) -> None:

@@ -9,8 +9,6 @@ user adapter (`--format my.module:function`) is called as
 
 from __future__ import annotations
 
-import importlib
-import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from offline_agent.ingest import anthropic, openai_chat, parallel_lists, steps_j
 from offline_agent.ingest.builder import RecordError
 from offline_agent.ingest.options import SourceOptions
 from offline_agent.ingest.readers import Record, read_records
+from offline_agent.plugins import load_user_function
 from offline_agent.schema import ColumnarEpisode, Episode, Quarantined, Step
 
 Adapter = Callable[[Iterable[Record | Quarantined], SourceOptions], Iterator[Episode | Quarantined]]
@@ -140,16 +139,7 @@ def resolve_adapter(fmt: str, path: Path, mapping: dict[str, str]) -> tuple[str,
 
 def load_user_adapter(spec: str) -> Callable[[Path, dict[str, str]], Iterable[Episode | Quarantined]]:
     module_name, _, attr = spec.partition(":")
-    if str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(f"cannot import adapter module {module_name!r} ({exc}); is it on PYTHONPATH?") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise UserError(f"adapter {spec!r}: {module_name} has no function {attr!r}")
-    return fn
+    return load_user_function(module_name, attr, f"adapter {spec!r}")
 
 
 def user_adapter_items(spec: str, path: Path, opts: SourceOptions) -> Iterator[Episode | Quarantined]:

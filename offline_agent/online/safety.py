@@ -26,10 +26,7 @@ the environment. Each observation's info counts what was removed, per rule, unde
 
 from __future__ import annotations
 
-import importlib
-import os
 import re
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +35,7 @@ import gymnasium as gym
 
 from offline_agent.actions import ActionError, canonical_action, parse_action
 from offline_agent.errors import UserError
+from offline_agent.plugins import load_user_function
 
 ALL_FORBIDDEN = "all candidates forbidden"
 STOP_CANDIDATE = "[safety filter] every candidate action is forbidden here: end the episode"
@@ -129,20 +127,7 @@ def _import_judge(path: str) -> Judge:
     module_name, _, attr = path.rpartition(":")
     if not module_name or not attr:
         raise UserError(f"safety rule callable:{path} must name module.path:function")
-    cwd = os.getcwd()
-    if cwd not in sys.path:  # as for `module:factory` environments: users run next to their module
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise UserError(
-            f"safety rule callable:{path}: cannot import {module_name!r} ({type(exc).__name__}: {str(exc)[:200]}); "
-            "run from the directory that holds it, or add it to PYTHONPATH"
-        ) from None
-    judge = getattr(module, attr, None)
-    if not callable(judge):
-        raise UserError(f"safety rule callable:{path}: module {module_name!r} has no function {attr!r}")
-    return judge
+    return load_user_function(module_name, attr, f"safety rule callable:{path}")
 
 
 def split_specs(specs: str | Iterable[str] | None) -> list[str]:
