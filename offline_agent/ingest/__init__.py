@@ -221,7 +221,7 @@ class _SourceRun:
     quarantined: list[tuple[str, Quarantined]]
     workers: int
     fast: bool
-
+    #: worker processes, started at the first large JSONL source and shared by the rest (see `close`)
     _pool: ProcessPoolExecutor | None = None
 
     def ingest(self, path: Path, fmt: str, mapping: dict[str, str], bar) -> SourceSummary:
@@ -237,7 +237,7 @@ class _SourceRun:
             and sniff_layout(path) == "jsonl"
         )
         if parallel and self._pool is None:
-            self._pool = start_pool(self.workers)
+            self._pool = start_pool(self.workers)  # they import while this process hashes the file
         sha, chunks = scan(path) if parallel else (file_sha256(path), [])
         source = SourceSummary(path=str(path), sha256=sha, format=adapter_name)
         if sha in self.known_sha:
