@@ -100,7 +100,7 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     )
     out = {}
     for name, settings in (
-        ("finetune", dict(target_kl=args.target_kl, value_init=args.value_init)),
+        ("finetune", dict(target_kl=args.target_kl, kl_horizon=args.kl_horizon, value_init=args.value_init)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         folder = cache / sim / name
@@ -195,6 +195,7 @@ def main() -> None:
     parser.add_argument("--num-envs", type=int, default=4)
     parser.add_argument("--num-steps", type=int, default=32, help="steps per env per iteration")
     parser.add_argument("--target-kl", type=float, default=0.05)
+    parser.add_argument("--kl-horizon", type=int, default=1000, help="env steps of the KL controller's horizon")
     parser.add_argument("--learning-rate", type=float, default=1e-5, help="fine-tuning learning rate")
     parser.add_argument("--scratch-learning-rate", type=float, default=3e-4, help="PPO-from-scratch learning rate")
     parser.add_argument("--value-init", default="zero", choices=["critic", "zero"])

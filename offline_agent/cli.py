@@ -352,6 +352,9 @@ def finetune_command(
     num_steps: int = typer.Option(128, "--num-steps", help="steps per environment per iteration"),
     target_kl: float | None = typer.Option(None, "--target-kl", help="adapt beta to this KL per step [default: 0.05]"),
     beta: float | None = typer.Option(None, "--beta", help="fixed KL weight instead of --target-kl (0 = no KL)"),
+    kl_horizon: int = typer.Option(
+        1000, "--kl-horizon", help="env steps over which --target-kl's controller moves beta by 20% at most"
+    ),
     safety: list[str] = typer.Option(
         [], "--safety", help="deny:TOOL,.. | regex:PATTERN | callable:mod:fn (join with ';' or repeat)"
     ),
@@ -373,6 +376,7 @@ def finetune_command(
 
     config = PPOConfig(
         iterations=iterations, num_envs=num_envs, num_steps=num_steps, target_kl=target_kl, beta=beta, seed=seed,
+        kl_horizon=kl_horizon,
         learning_rate=learning_rate, vector=vector, device=device, from_scratch=from_scratch,
         checkpoint_every=checkpoint_every,
     )

@@ -66,11 +66,17 @@ class AdaptiveKLController:
     `update(kl, n_steps)` after each rollout: beta grows while the measured KL is above `target` and
     shrinks while it is below, by at most 20% of `n_steps / horizon` per update, so a rollout of a
     `horizon` steps can move beta by 20% at most and a noisy KL estimate cannot make it jump.
+
+    The horizon is 1,000 env steps, not Ziegler's 10,000 samples: their rollouts were tens of
+    thousands of samples, ours are a few hundred steps (4 envs x 128), and with 10,000 a whole
+    20-iteration run could move beta by about 20%: the KL ran at 5-10x its target while beta stayed
+    put (`benchmarks/online.py`, 40 iterations on PipelineRepair). With 1,000 a persistent 2x miss
+    moves beta by about 2.6x in ten such iterations.
     """
 
     beta: float
     target: float
-    horizon: int = 10_000
+    horizon: int = 1_000
 
     def __post_init__(self) -> None:
         if not self.target > 0:

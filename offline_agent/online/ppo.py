@@ -122,7 +122,9 @@ class PPOConfig:
         default=None, metadata={"help": f"adaptive KL target per step (--target-kl); default {DEFAULT_TARGET_KL}"}
     )
     init_beta: float = field(default=0.1, metadata={"help": "starting beta of the adaptive controller, > 0"})
-    kl_horizon: int = field(default=10_000, metadata={"help": "controller horizon in env steps (Ziegler: 10k)"})
+    kl_horizon: int = field(
+        default=1_000, metadata={"help": "env steps over which the controller moves beta by 20% at most"}
+    )
     value_init: Literal["critic", "zero"] = field(
         default="zero", metadata={"help": "critic: V = V_ref(s) + MLP residual; zero: a fresh MLP"}
     )
