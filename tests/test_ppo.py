@@ -102,6 +102,7 @@ def test_adaptive_controller_keeps_moving_while_kl_stays_off_target_and_fixed_be
         ({"num_minibatches": 100, "num_envs": 1, "num_steps": 8}, "exceeds the 8 steps"),
         ({"max_update_kl": 0.0}, "max_update_kl must be > 0"),
         ({"checkpoint_every": 0}, "checkpoint-every must be >= 1"),
+        ({"kl_horizon": 0}, "kl-horizon must be >= 1"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_fix(settings, message):
