@@ -55,19 +55,24 @@ def adapt_record(record: Record, opts: SourceOptions) -> Episode:
         except (RecordError, ActionError) as exc:
             raise RecordError(f"message {i} ({role}): {exc}") from None
     steps = builder.finish()
-    task = opts.lookup(r, "task", ("task",))
-    outcome = as_float(opts.lookup(r, "reward", OUTCOME), opts.mapping.get("reward", "reward"))
-    success = r.get("success") if isinstance(r.get("success"), bool) else None
+    return Episode(steps=steps, **_episode_fields(r, record, opts, system, first_user))
+
+
+def _episode_fields(
+    r: dict, record: Record, opts: SourceOptions, system: list[str], first_user: str | None
+) -> dict[str, Any]:
+    """What an episode takes from the record around its messages (both paths below use it); a mistyped
+    outcome raises RecordError."""
+    task, success = opts.lookup(r, "task", ("task",)), r.get("success")
     metadata = other_fields(r, (opts.mapping.get("messages", ""), *MESSAGES))
     if system:
         metadata["system"] = "\n".join(system)
-    return Episode(
+    return dict(
         episode_id=opts.episode_id(r, record.location),
-        steps=steps,
         task=task if isinstance(task, str) else first_user,
         agent=_agent(r),
-        outcome=outcome,
-        success=success,
+        outcome=as_float(opts.lookup(r, "reward", OUTCOME), opts.mapping.get("reward", "reward")),
+        success=success if isinstance(success, bool) else None,
         truncated=bool(r.get("truncated", False)),
         metadata=metadata,
     )
@@ -217,19 +222,14 @@ def plain_episode(record: Record, opts: SourceOptions, calls: dict) -> ColumnarE
     if not actions:
         return None
     try:
-        outcome = as_float(opts.lookup(r, "reward", OUTCOME), "reward")
+        fields = _episode_fields(r, record, opts, system, first_user)
     except RecordError:
         return None
     if pending:  # text after the last action, as `EpisodeBuilder.finish` keeps it
         infos[-1] = {**(infos[-1] or {}), "final_observation": "\n".join(filter(None, pending))}
     if kinds[-1] == MESSAGE:
         kinds[-1] = FINAL
-    task, success = opts.lookup(r, "task", ("task",)), r.get("success")
-    metadata = other_fields(r, (opts.mapping.get("messages", ""), *MESSAGES))
-    if system:
-        metadata["system"] = "\n".join(system)
     return ColumnarEpisode(
-        episode_id=opts.episode_id(r, record.location),
         observations=observations,
         actions=actions,
         action_kinds=kinds,
@@ -237,12 +237,7 @@ def plain_episode(record: Record, opts: SourceOptions, calls: dict) -> ColumnarE
         tool_args=tool_args,
         is_error=is_error,
         infos=infos,
-        task=task if isinstance(task, str) else first_user,
-        agent=_agent(r),
-        outcome=outcome,
-        success=success if isinstance(success, bool) else None,
-        truncated=bool(r.get("truncated", False)),
-        metadata=metadata,
+        **fields,
     )
 
 

@@ -38,11 +38,13 @@ REWARD_MODES = ("outcome", "per-step", "score-delta")
 ROWS_PER_GROUP = 65_536
 
 
-def step_rewards(episode: Episode, mode: str) -> list[float]:
+def step_rewards(episode: Episode | ColumnarEpisode, mode: str) -> list[float]:
     """The dataset reward of each step of an episode under a reward mode (see module docstring)."""
-    n = len(episode.steps)
+    n = episode.n_steps
     if mode == "outcome":
         return [0.0] * (n - 1) + [float(episode.outcome or 0.0)]
+    if isinstance(episode, ColumnarEpisode) and mode in REWARD_MODES:
+        return [0.0] * n  # its steps carry no log rewards or scores
     if mode == "per-step":
         return [float(s.reward or 0.0) for s in episode.steps]
     if mode == "score-delta":
@@ -141,9 +143,7 @@ class EpisodeRows:
     def _add_columns(self, episode: ColumnarEpisode, source: str) -> None:
         """`add` for an episode already in columns: whole columns are extended, nothing is parsed again."""
         n = episode.n_steps
-        rewards = [0.0] * n
-        if self.settings.reward_mode == "outcome":  # it has no log rewards or scores: the other modes give 0
-            rewards[-1] = float(episode.outcome or 0.0)
+        rewards = step_rewards(episode, self.settings.reward_mode)
         cols = self._steps
         last = [False] * (n - 1)
         cols["episode_id"].extend([episode.episode_id] * n)
