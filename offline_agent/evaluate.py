@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from offline_agent.errors import UserError
-from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter
+from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter, add_blocked
 from offline_agent.simulate import episode_seed, wilson_interval
 
 __all__ = [
@@ -133,7 +133,7 @@ def summarize(
     steps = sum(o.steps for o in outcomes)
     blocked: dict[str, int] = {}
     for o in outcomes:
-        _add_blocked(blocked, o.blocked)
+        add_blocked(blocked, o.blocked)
     return EvalReport(
         policy=policy,
         env=env,
@@ -154,11 +154,6 @@ def summarize(
         blocked_by_rule=blocked,
         safety_truncated=sum(o.safety_truncated for o in outcomes),
     )
-
-
-def _add_blocked(total: dict[str, int], blocked: dict[str, int] | None) -> None:
-    for rule, n in (blocked or {}).items():
-        total[rule] = total.get(rule, 0) + int(n)
 
 
 # --- rollouts --------------------------------------------------------------------------------------
@@ -186,7 +181,7 @@ class _Playing:
         self.rewards.append(float(reward))
         self.errors.append(bool(info.get("is_error", False)))
         # The safety wrapper says what it removed from every observation it offers (nothing without a filter).
-        _add_blocked(self.blocked, info.get("safety_blocked"))
+        add_blocked(self.blocked, info.get("safety_blocked"))
 
     def outcome(self, info: dict[str, Any], gamma: float) -> EpisodeOutcome:
         return EpisodeOutcome(
@@ -236,7 +231,7 @@ def rollout_policy(
         s = episode_seed(seed, index)
         observation, info = envs[slot].reset(seed=s)
         playing = _Playing(index, s, observation, EpisodeHistory(_task(envs[slot], info, observation)))
-        _add_blocked(playing.blocked, info.get("safety_blocked"))
+        add_blocked(playing.blocked, info.get("safety_blocked"))
         slots[slot] = playing
 
     for slot in range(len(envs)):

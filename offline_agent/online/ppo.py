@@ -65,7 +65,7 @@ from offline_agent.online.kl import (
     exact_kl,
     masked_log_softmax,
 )
-from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter
+from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter, add_blocked
 from offline_agent.online.vector import VectorMode, make_vector_env
 
 #: Metric names of one iteration (a stable contract; `safety/blocked/<rule>` columns are added per rule).
@@ -470,7 +470,7 @@ class PPOTrainer:
             self.observations, reset_infos = self.envs.reset(self.env_seeds(self.iteration))
             for i, info in enumerate(reset_infos):
                 f.start(i, _task_of(info, self.observations[i]))
-                _count_blocked(blocked, info)
+                add_blocked(blocked, (info or {}).get("safety_blocked"))
             self.running_return[:], self.running_length[:] = 0.0, 0
         observations, running_return, running_length = self.observations, self.running_return, self.running_length
         successes, episode_returns, episode_lengths, safety_truncated = [], [], [], 0
@@ -489,7 +489,7 @@ class PPOTrainer:
             running_return += step.rewards
             running_length += 1
             for i in range(c.num_envs):
-                _count_blocked(blocked, step.infos[i])
+                add_blocked(blocked, (step.infos[i] or {}).get("safety_blocked"))
                 if not done[i]:
                     f.record(i, observations[i]["text"], f.last_actions[i][actions[i]])
                     continue
@@ -499,7 +499,7 @@ class PPOTrainer:
                 safety_truncated += step.infos[i].get("safety") == ALL_FORBIDDEN
                 running_return[i], running_length[i] = 0.0, 0
                 f.start(i, _task_of(step.reset_infos[i], step.observations[i]))
-                _count_blocked(blocked, step.reset_infos[i])
+                add_blocked(blocked, (step.reset_infos[i] or {}).get("safety_blocked"))
             observations = step.observations
         self.observations = observations
         nan = float("nan")
@@ -569,8 +569,3 @@ class PPOTrainer:
 def _task_of(info: dict[str, Any] | None, observation: dict[str, Any]) -> str:
     # The fallback chain of `simulate` and `evaluate`, so that states render as in the logs and evaluation.
     return (info or {}).get("task") or observation["text"]
-
-
-def _count_blocked(blocked: dict[str, int], info: dict[str, Any] | None) -> None:
-    for name, n in ((info or {}).get("safety_blocked") or {}).items():
-        blocked[name] = blocked.get(name, 0) + int(n)

@@ -130,6 +130,12 @@ def _import_judge(path: str) -> Judge:
     return load_user_function(module_name, attr, f"safety rule callable:{path}")
 
 
+def add_blocked(total: dict[str, int], blocked: dict[str, int] | None) -> None:
+    """Add one `info["safety_blocked"]` ({rule: candidates removed}, or None) into a running count."""
+    for rule, n in (blocked or {}).items():
+        total[rule] = total.get(rule, 0) + int(n)
+
+
 def split_specs(specs: str | Iterable[str] | None) -> list[str]:
     """Rule specs from one `;`-joined string or several, with blanks dropped."""
     if specs is None:
