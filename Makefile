@@ -11,7 +11,8 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 # torch first, pinned: the CPU build of 2.13.0 is what pip finds on this disk; an unpinned
 # torch (asked for by transformers or d3rlpy) would pull a multi-GB CUDA build.
-$(VENV)/.installed: pyproject.toml
+# setup.py builds the compiled module (offline_agent/_speedups.c): an edit to either reinstalls.
+$(VENV)/.installed: pyproject.toml setup.py offline_agent/_speedups.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e .

@@ -26,15 +26,17 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import duckdb
-import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from offline_agent.errors import UserError
 from offline_agent.schema import EPISODES_SCHEMA, QUARANTINE_SCHEMA, SCHEMA_VERSION, STEPS_SCHEMA
+
+if TYPE_CHECKING:  # imported where used: ingest worker processes need this module but neither engine
+    import duckdb
+    import polars as pl
 
 META_FILE = "dataset.json"
 CATALOG_FILE = "catalog.duckdb"
@@ -68,11 +70,21 @@ def episode_digest(episode_id: str, actions: list[str], observations: list[str],
         raise ValueError("actions, observations and rewards must have one entry per step")
     # Per step: \x00 action \x01 observation \x02 reward (%.6g), encoded once as one string (the same
     # bytes as encoding each piece: the separators keep surrogates of different pieces apart).
-    body = "".join(map(_STEP_DIGEST_FORMAT, actions, observations, rewards))
+    body = _digest_body(actions, observations, rewards)
     return hashlib.sha256(episode_id.encode() + body.encode(errors="surrogatepass")).hexdigest()
 
 
 _STEP_DIGEST_FORMAT = "\x00{}\x01{}\x02{:.6g}".format
+
+
+def _digest_body_python(actions: list[str], observations: list[str], rewards: list[float]) -> str:
+    return "".join(map(_STEP_DIGEST_FORMAT, actions, observations, rewards))
+
+
+try:  # the same string built in one allocation, where the compiled module was built (see setup.py)
+    from offline_agent._speedups import digest_body as _digest_body
+except ImportError:
+    _digest_body = _digest_body_python
 
 
 def combine_digests(digests: dict[str, str]) -> str:
@@ -132,6 +144,8 @@ def write_catalog(path: Path) -> None:
     after a dataset has moved). It is built under a temporary name and renamed.
     """
     root = Path(path).resolve()
+    import duckdb
+
     tmp = root / f".{CATALOG_FILE}.tmp-{uuid.uuid4().hex[:8]}"
     con = duckdb.connect(str(tmp))
     try:
@@ -265,11 +279,15 @@ class TrajectoryDataset:
     # --- Polars ------------------------------------------------------------------------------------
     def lazy(self) -> tuple[pl.LazyFrame, pl.LazyFrame]:
         """Polars lazy frames of (steps, episodes)."""
+        import polars as pl
+
         return pl.scan_parquet(self._files("steps")), pl.scan_parquet(self._files("episodes"))
 
     # --- DuckDB ------------------------------------------------------------------------------------
     def duckdb(self, connection: duckdb.DuckDBPyConnection | None = None) -> duckdb.DuckDBPyConnection:
         """A DuckDB connection (in memory unless given) with views `steps`, `episodes` and `quarantine`."""
+        import duckdb
+
         con = connection or duckdb.connect()
         for view, sql in _view_sql(self.path.resolve()).items():
             con.execute(f"CREATE OR REPLACE VIEW {view} AS {sql}")
@@ -277,6 +295,8 @@ class TrajectoryDataset:
 
     def sql(self, query: str) -> pl.DataFrame:
         """Run SQL over the views and return a Polars frame. DuckDB errors come back as UserError."""
+        import duckdb
+
         con = self.duckdb()
         try:
             return con.sql(query).pl()

@@ -136,12 +136,7 @@ MAX_CACHED_CALLS = 100_000
 
 
 def plain_episode(record: Record, opts: SourceOptions, calls: dict) -> ColumnarEpisode | None:
-    """The episode of a plain record (see above) in columns, or None when the record is not plain.
-
-    One function with local lists, not an `EpisodeBuilder`: on this path a method call per
-    step costs as much as the work. The bookkeeping is `EpisodeBuilder`'s: an observation is
-    what arrived since the previous action, a result marks the call it answers.
-    """
+    """The episode of a plain record (see above) in columns, or None when the record is not plain."""
     r = record.value
     if type(r) is not dict:
         return None
@@ -150,6 +145,42 @@ def plain_episode(record: Record, opts: SourceOptions, calls: dict) -> ColumnarE
     messages = opts.lookup(r, "messages", MESSAGES)
     if type(messages) is not list:
         return None
+    walked = walk(messages, calls)
+    if walked is None:
+        return None
+    observations, actions, kinds, tool_names, tool_args, is_error, infos, pending, system, first_user = walked
+    if not actions:
+        return None
+    try:
+        fields = _episode_fields(r, record, opts, system, first_user)
+    except RecordError:
+        return None
+    if pending:  # text after the last action, as `EpisodeBuilder.finish` keeps it
+        infos[-1] = {**(infos[-1] or {}), "final_observation": "\n".join(filter(None, pending))}
+    if kinds[-1] == MESSAGE:
+        kinds[-1] = FINAL
+    return ColumnarEpisode(
+        observations=observations,
+        actions=actions,
+        action_kinds=kinds,
+        tool_names=tool_names,
+        tool_args=tool_args,
+        is_error=is_error,
+        infos=infos,
+        **fields,
+    )
+
+
+def walk_messages(messages: list, calls: dict) -> tuple | None:
+    """The step columns of a plain message list, or None at the first sign that it is not plain.
+
+    Returns (observations, actions, kinds, tool_names, tool_args, is_error, infos, pending, system,
+    first_user): seven step columns, the texts after the last action, the system texts, the first
+    user text. One function with local lists, not an `EpisodeBuilder`: on this path a method call
+    per step costs as much as the work. The bookkeeping is `EpisodeBuilder`'s: an observation is
+    what arrived since the previous action, a result marks the call it answers. `_speedups.c` is
+    this function compiled; change both together.
+    """
     observations: list[str] = []
     actions: list[str] = []
     kinds: list[str] = []
@@ -219,26 +250,7 @@ def plain_episode(record: Record, opts: SourceOptions, calls: dict) -> ColumnarE
             system.append(text)
         else:
             return None
-    if not actions:
-        return None
-    try:
-        fields = _episode_fields(r, record, opts, system, first_user)
-    except RecordError:
-        return None
-    if pending:  # text after the last action, as `EpisodeBuilder.finish` keeps it
-        infos[-1] = {**(infos[-1] or {}), "final_observation": "\n".join(filter(None, pending))}
-    if kinds[-1] == MESSAGE:
-        kinds[-1] = FINAL
-    return ColumnarEpisode(
-        observations=observations,
-        actions=actions,
-        action_kinds=kinds,
-        tool_names=tool_names,
-        tool_args=tool_args,
-        is_error=is_error,
-        infos=infos,
-        **fields,
-    )
+    return observations, actions, kinds, tool_names, tool_args, is_error, infos, pending, system, first_user
 
 
 def _canonical_call(name: Any, arguments: Any, calls: dict) -> tuple[str, str] | None:
@@ -255,3 +267,12 @@ def _canonical_call(name: Any, arguments: Any, calls: dict) -> tuple[str, str] |
     if key is not None:
         calls[key] = canonical
     return canonical
+
+
+try:  # the compiled walk, built at install time where a C compiler was there (see setup.py)
+    from offline_agent import _speedups
+except ImportError:
+    walk = walk_messages
+else:
+    _speedups.configure(_canonical_call, looks_like_error, TOOL_CALL, MESSAGE)
+    walk = _speedups.walk

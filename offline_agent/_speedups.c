@@ -1,0 +1,368 @@
+/* The message walk of `openai_chat.walk_messages`, compiled.
+ *
+ * Ingesting a large OpenAI-chat log spends most of its time in one Python loop:
+ * the walk over each record's messages that lays plain records out in step
+ * columns. This is that loop, line for line, in C; `openai_chat.py` keeps the
+ * Python version as the reference and the fallback where no compiler was there at
+ * install time, and `tests/test_ingest_fast.py` checks that both give the same
+ * result on every record shape. Read `walk_messages` first: the comments there
+ * say why each check is made; here they only say where C differs in form.
+ *
+ * walk(messages: list, calls: dict) -> tuple | None, the same tuple as the Python
+ * function. `configure(canonical_call, looks_like_error, tool_call, message)`
+ * hands over the Python pieces it calls back, once, at import.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+
+static PyObject *canonical_call;   /* (name, arguments, calls) -> (action, args_json) | None */
+static PyObject *looks_like_error; /* text -> bool */
+static PyObject *kind_tool_call;   /* actions.TOOL_CALL */
+static PyObject *kind_message;     /* actions.MESSAGE */
+static PyObject *newline;          /* "\n" */
+static PyObject *call_prefix;      /* '{"name":', how a message that parse_action may read as a call starts */
+static PyObject *sep_action, *sep_observation, *sep_reward, *zero_text, *empty_text, *reward_format;
+static PyObject *extras[5];        /* keys that make a message not plain */
+static PyObject *k_role, *k_content, *k_tool_calls, *k_function, *k_id, *k_name, *k_arguments;
+static PyObject *k_tool_call_id, *k_assistant_text;
+
+/* "\n".join(filter(None, pending)) */
+static PyObject *
+join_pending(PyObject *pending)
+{
+    Py_ssize_t n = PyList_GET_SIZE(pending);
+    PyObject *kept = PyList_New(0);
+    if (kept == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *text = PyList_GET_ITEM(pending, i);
+        if (PyUnicode_GET_LENGTH(text) > 0 && PyList_Append(kept, text) < 0) {
+            Py_DECREF(kept);
+            return NULL;
+        }
+    }
+    PyObject *joined = PyUnicode_Join(newline, kept);
+    Py_DECREF(kept);
+    return joined;
+}
+
+/* looks_like_error(text), with its first-character shortcut taken here so most texts need no call. */
+static int
+error_text(PyObject *text)
+{
+    if (PyUnicode_GET_LENGTH(text) == 0)
+        return 0;
+    Py_UCS4 first = PyUnicode_READ_CHAR(text, 0);
+    if (!Py_UNICODE_ISSPACE(first) && first != 'e' && first != 'E' && first != 'f' && first != 'F' &&
+        first != 't' && first != 'T')
+        return 0;
+    PyObject *flag = PyObject_CallOneArg(looks_like_error, text);
+    if (flag == NULL)
+        return -1;
+    int result = PyObject_IsTrue(flag);
+    Py_DECREF(flag);
+    return result;
+}
+
+/* The columns a walk fills, in the order of the returned tuple. */
+enum { OBSERVATIONS, ACTIONS, KINDS, TOOL_NAMES, TOOL_ARGS, IS_ERROR, INFOS, N_COLUMNS };
+
+static int
+append_step(PyObject **cols, PyObject **pending, PyObject *action, PyObject *kind, PyObject *name,
+            PyObject *args, PyObject *info)
+{
+    PyObject *observation = join_pending(*pending);
+    if (observation == NULL)
+        return -1;
+    int failed = PyList_Append(cols[OBSERVATIONS], observation) < 0;
+    Py_DECREF(observation);
+    if (failed)
+        return -1;
+    PyObject *fresh = PyList_New(0);
+    if (fresh == NULL)
+        return -1;
+    Py_SETREF(*pending, fresh);
+    if (PyList_Append(cols[ACTIONS], action) < 0 || PyList_Append(cols[KINDS], kind) < 0 ||
+        PyList_Append(cols[TOOL_NAMES], name) < 0 || PyList_Append(cols[TOOL_ARGS], args) < 0 ||
+        PyList_Append(cols[IS_ERROR], Py_False) < 0 || PyList_Append(cols[INFOS], info) < 0)
+        return -1;
+    return 0;
+}
+
+/* One assistant tool call: 1 appended, 0 not plain, -1 error. */
+static int
+tool_call(PyObject *call, Py_ssize_t k, PyObject *text, PyObject *calls, PyObject *open_calls,
+          PyObject **cols, PyObject **pending)
+{
+    if (!PyDict_CheckExact(call))
+        return 0;
+    PyObject *function = PyDict_GetItemWithError(call, k_function);
+    if (function == NULL && PyErr_Occurred())
+        return -1;
+    PyObject *call_id = PyDict_GetItemWithError(call, k_id);
+    if (call_id == NULL && PyErr_Occurred())
+        return -1;
+    if (function == NULL || !PyDict_CheckExact(function) || call_id == NULL || !PyUnicode_CheckExact(call_id))
+        return 0;
+    int open = PyDict_Contains(open_calls, call_id);
+    if (open != 0)
+        return open < 0 ? -1 : 0;
+    PyObject *name = PyDict_GetItemWithError(function, k_name);
+    if (name == NULL && PyErr_Occurred())
+        return -1;
+    PyObject *arguments = PyDict_GetItemWithError(function, k_arguments);
+    if (arguments == NULL && PyErr_Occurred())
+        return -1;
+    name = name ? name : Py_None;
+    arguments = arguments ? arguments : Py_None;
+    PyObject *canonical = NULL; /* new reference */
+    if (PyUnicode_CheckExact(name) && PyUnicode_CheckExact(arguments)) {
+        PyObject *key = PyTuple_Pack(2, name, arguments);
+        if (key == NULL)
+            return -1;
+        canonical = PyDict_GetItemWithError(calls, key);
+        Py_DECREF(key);
+        if (canonical == NULL && PyErr_Occurred())
+            return -1;
+        Py_XINCREF(canonical);
+    }
+    if (canonical == NULL) {
+        canonical = PyObject_CallFunctionObjArgs(canonical_call, name, arguments, calls, NULL);
+        if (canonical == NULL)
+            return -1;
+        if (canonical == Py_None) {
+            Py_DECREF(canonical);
+            return 0;
+        }
+    }
+    if (!PyTuple_CheckExact(canonical) || PyTuple_GET_SIZE(canonical) != 2) {
+        Py_DECREF(canonical);
+        PyErr_SetString(PyExc_TypeError, "canonical_call must return an (action, arguments) pair or None");
+        return -1;
+    }
+    PyObject *index = PyLong_FromSsize_t(PyList_GET_SIZE(cols[ACTIONS]));
+    int failed = index == NULL || PyDict_SetItem(open_calls, call_id, index) < 0;
+    Py_XDECREF(index);
+    PyObject *info = Py_None;
+    Py_INCREF(info);
+    if (!failed && k == 0 && PyUnicode_GET_LENGTH(text) > 0) {
+        Py_SETREF(info, PyDict_New());
+        failed = info == NULL || PyDict_SetItem(info, k_assistant_text, text) < 0;
+    }
+    failed = failed || append_step(cols, pending, PyTuple_GET_ITEM(canonical, 0), kind_tool_call, name,
+                                   PyTuple_GET_ITEM(canonical, 1), info) < 0;
+    Py_XDECREF(info);
+    Py_DECREF(canonical);
+    return failed ? -1 : 1;
+}
+
+/* One message: 1 taken, 0 not plain, -1 error. */
+static int
+message_step(PyObject *message, PyObject *calls, PyObject *open_calls, PyObject **cols, PyObject **pending,
+             PyObject *system, PyObject **first_user)
+{
+    if (!PyDict_CheckExact(message))
+        return 0;
+    for (int i = 0; i < 5; i++) {
+        int has = PyDict_Contains(message, extras[i]);
+        if (has != 0)
+            return has < 0 ? -1 : 0;
+    }
+    PyObject *role = PyDict_GetItemWithError(message, k_role);
+    if (role == NULL && PyErr_Occurred())
+        return -1;
+    PyObject *text = PyDict_GetItemWithError(message, k_content);
+    if (text == NULL && PyErr_Occurred())
+        return -1;
+    if (text == NULL || text == Py_None)
+        text = PyUnicode_New(0, 0); /* the empty string singleton: a new reference */
+    else if (PyUnicode_CheckExact(text))
+        Py_INCREF(text);
+    else
+        return 0;
+    int result = 0;
+    if (role == NULL || !PyUnicode_CheckExact(role)) {
+        result = 0;
+    } else if (PyUnicode_CompareWithASCIIString(role, "assistant") == 0) {
+        PyObject *tool_calls = PyDict_GetItemWithError(message, k_tool_calls);
+        int any = tool_calls == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(tool_calls);
+        if (any < 0) {
+            result = -1;
+        } else if (!any) {
+            Py_ssize_t looks_like_call = PyUnicode_Tailmatch(text, call_prefix, 0, PY_SSIZE_T_MAX, -1);
+            if (looks_like_call != 0)
+                result = looks_like_call < 0 ? -1 : 0;
+            else if (PyUnicode_GET_LENGTH(text) == 0)
+                result = 1;
+            else
+                result = append_step(cols, pending, text, kind_message, Py_None, Py_None, Py_None) < 0 ? -1 : 1;
+        } else if (!PyList_CheckExact(tool_calls)) {
+            result = 0;
+        } else {
+            result = 1;
+            for (Py_ssize_t k = 0; k < PyList_GET_SIZE(tool_calls) && result == 1; k++)
+                result = tool_call(PyList_GET_ITEM(tool_calls, k), k, text, calls, open_calls, cols, pending);
+        }
+    } else if (PyUnicode_CompareWithASCIIString(role, "user") == 0) {
+        if (*first_user == Py_None) {
+            Py_INCREF(text);
+            Py_SETREF(*first_user, text);
+        }
+        result = PyList_Append(*pending, text) < 0 ? -1 : 1;
+    } else if (PyUnicode_CompareWithASCIIString(role, "tool") == 0 ||
+               PyUnicode_CompareWithASCIIString(role, "function") == 0) {
+        PyObject *call_id = PyDict_GetItemWithError(message, k_tool_call_id);
+        PyObject *index = NULL;
+        if (call_id == NULL && PyErr_Occurred())
+            result = -1;
+        else if (call_id == NULL || !PyUnicode_CheckExact(call_id))
+            result = 0;
+        else if ((index = PyDict_GetItemWithError(open_calls, call_id)) == NULL)
+            result = PyErr_Occurred() ? -1 : 0;
+        else if (Py_INCREF(index), PyDict_DelItem(open_calls, call_id) < 0) /* pop: its only result */
+            result = -1;
+        else {
+            int error = error_text(text);
+            Py_ssize_t at = PyLong_AsSsize_t(index);
+            if (error < 0 || (at == -1 && PyErr_Occurred()))
+                result = -1;
+            else if (PyList_SetItem(cols[IS_ERROR], at, Py_NewRef(error ? Py_True : Py_False)) < 0)
+                result = -1;
+            else
+                result = PyList_Append(*pending, text) < 0 ? -1 : 1;
+        }
+        Py_XDECREF(index);
+    } else if (PyUnicode_CompareWithASCIIString(role, "system") == 0 ||
+               PyUnicode_CompareWithASCIIString(role, "developer") == 0) {
+        result = PyList_Append(system, text) < 0 ? -1 : 1;
+    }
+    Py_DECREF(text);
+    return result;
+}
+
+static PyObject *
+walk(PyObject *module, PyObject *args)
+{
+    PyObject *messages, *calls;
+    if (!PyArg_ParseTuple(args, "O!O!:walk", &PyList_Type, &messages, &PyDict_Type, &calls))
+        return NULL;
+    if (canonical_call == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "call configure() before walk()");
+        return NULL;
+    }
+    PyObject *cols[N_COLUMNS] = {NULL};
+    PyObject *pending = PyList_New(0), *system = PyList_New(0), *open_calls = PyDict_New();
+    PyObject *first_user = Py_NewRef(Py_None), *out = NULL;
+    int status = pending && system && open_calls ? 1 : -1;
+    for (int i = 0; i < N_COLUMNS && status == 1; i++)
+        status = (cols[i] = PyList_New(0)) ? 1 : -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(messages) && status == 1; i++) {
+        PyObject *message = PyList_GET_ITEM(messages, i);
+        Py_INCREF(message); /* the callbacks could in principle change the list */
+        status = message_step(message, calls, open_calls, cols, &pending, system, &first_user);
+        Py_DECREF(message);
+    }
+    if (status == 1) {
+        out = PyTuple_Pack(N_COLUMNS + 3, cols[0], cols[1], cols[2], cols[3], cols[4], cols[5], cols[6], pending,
+                           system, first_user);
+    } else if (status == 0) {
+        out = Py_NewRef(Py_None);
+    }
+    for (int i = 0; i < N_COLUMNS; i++)
+        Py_XDECREF(cols[i]);
+    Py_XDECREF(pending);
+    Py_XDECREF(system);
+    Py_XDECREF(open_calls);
+    Py_DECREF(first_user);
+    return out;
+}
+
+static PyObject *
+configure(PyObject *module, PyObject *args)
+{
+    PyObject *canonical, *error, *tool, *message;
+    if (!PyArg_ParseTuple(args, "OOUU:configure", &canonical, &error, &tool, &message))
+        return NULL;
+    Py_XSETREF(canonical_call, Py_NewRef(canonical));
+    Py_XSETREF(looks_like_error, Py_NewRef(error));
+    Py_XSETREF(kind_tool_call, Py_NewRef(tool));
+    Py_XSETREF(kind_message, Py_NewRef(message));
+    Py_RETURN_NONE;
+}
+
+/* "".join(map("\x00{}\x01{}\x02{:.6g}".format, actions, observations, rewards)): the body of
+ * `dataset.episode_digest`, built in one allocation. A reward of 0.0, most steps' under `--reward
+ * outcome`, is written "0" without a call to format. */
+static PyObject *
+digest_body(PyObject *module, PyObject *args)
+{
+    PyObject *actions, *observations, *rewards;
+    if (!PyArg_ParseTuple(args, "O!O!O!:digest_body", &PyList_Type, &actions, &PyList_Type, &observations,
+                          &PyList_Type, &rewards))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(actions);
+    if (PyList_GET_SIZE(observations) != n || PyList_GET_SIZE(rewards) != n) {
+        PyErr_SetString(PyExc_ValueError, "actions, observations and rewards must have one entry per step");
+        return NULL;
+    }
+    PyObject *pieces = PyList_New(6 * n);
+    if (pieces == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *action = PyList_GET_ITEM(actions, i), *observation = PyList_GET_ITEM(observations, i);
+        PyObject *reward = PyList_GET_ITEM(rewards, i), *text;
+        if (!PyUnicode_Check(action) || !PyUnicode_Check(observation)) {
+            Py_DECREF(pieces);
+            PyErr_SetString(PyExc_TypeError, "actions and observations must be strings");
+            return NULL;
+        }
+        if (PyFloat_CheckExact(reward) && PyFloat_AS_DOUBLE(reward) == 0.0 && !signbit(PyFloat_AS_DOUBLE(reward)))
+            text = Py_NewRef(zero_text);
+        else if ((text = PyObject_Format(reward, reward_format)) == NULL) {
+            Py_DECREF(pieces);
+            return NULL;
+        }
+        PyList_SET_ITEM(pieces, 6 * i, Py_NewRef(sep_action));
+        PyList_SET_ITEM(pieces, 6 * i + 1, Py_NewRef(action));
+        PyList_SET_ITEM(pieces, 6 * i + 2, Py_NewRef(sep_observation));
+        PyList_SET_ITEM(pieces, 6 * i + 3, Py_NewRef(observation));
+        PyList_SET_ITEM(pieces, 6 * i + 4, Py_NewRef(sep_reward));
+        PyList_SET_ITEM(pieces, 6 * i + 5, text);
+    }
+    PyObject *body = PyUnicode_Join(empty_text, pieces);
+    Py_DECREF(pieces);
+    return body;
+}
+
+static PyMethodDef methods[] = {
+    {"digest_body", digest_body, METH_VARARGS, "the per-step body of episode_digest"},
+    {"walk", walk, METH_VARARGS, "walk(messages, calls) -> columns tuple, or None when the record is not plain"},
+    {"configure", configure, METH_VARARGS, "configure(canonical_call, looks_like_error, tool_call, message)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_speedups", NULL, -1, methods};
+
+PyMODINIT_FUNC
+PyInit__speedups(void)
+{
+    static const char *extra_names[5] = {"is_error", "reward", "score", "info", "candidates"};
+    for (int i = 0; i < 5; i++)
+        if ((extras[i] = PyUnicode_InternFromString(extra_names[i])) == NULL)
+            return NULL;
+    if (!(newline = PyUnicode_InternFromString("\n")) ||
+        !(call_prefix = PyUnicode_InternFromString("{\"name\":")) ||
+        !(sep_action = PyUnicode_FromStringAndSize("\x00", 1)) || !(sep_observation = PyUnicode_FromString("\x01")) ||
+        !(sep_reward = PyUnicode_FromString("\x02")) || !(zero_text = PyUnicode_FromString("0")) ||
+        !(empty_text = PyUnicode_FromString("")) || !(reward_format = PyUnicode_FromString(".6g")) || !(k_role = PyUnicode_InternFromString("role")) ||
+        !(k_content = PyUnicode_InternFromString("content")) ||
+        !(k_tool_calls = PyUnicode_InternFromString("tool_calls")) ||
+        !(k_function = PyUnicode_InternFromString("function")) || !(k_id = PyUnicode_InternFromString("id")) ||
+        !(k_name = PyUnicode_InternFromString("name")) ||
+        !(k_arguments = PyUnicode_InternFromString("arguments")) ||
+        !(k_tool_call_id = PyUnicode_InternFromString("tool_call_id")) ||
+        !(k_assistant_text = PyUnicode_InternFromString("assistant_text")))
+        return NULL;
+    return PyModule_Create(&module_def);
+}
