@@ -10,6 +10,7 @@ most two ranges per worker are in flight, which bounds memory.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import multiprocessing
 import os
@@ -25,6 +26,7 @@ from offline_agent.schema import Quarantined
 
 CHUNK_BYTES = 16 << 20
 BLOCK_BYTES = 4 << 20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 #: Below this size the start-up of worker processes costs more than it saves.
 MIN_PARALLEL_BYTES = 48 << 20
 
@@ -114,7 +116,24 @@ def start_pool(workers: int) -> ProcessPoolExecutor:
 
 
 def _warm_up() -> None:
+    """Worker start: imports, once, and a malloc setting for a process that does nothing but this."""
+    _keep_freed_memory()
     import offline_agent.ingest.registry  # noqa: F401  (the adapters and pyarrow, imported once per worker)
+
+
+def _keep_freed_memory(limit: int = 256 << 20) -> None:
+    """Have glibc's malloc keep up to `limit` bytes of freed memory instead of handing it back to the kernel.
+
+    Each chunk allocates and frees a few hundred MB of small objects and Arrow buffers; by default big blocks
+    are mmap-ed and munmap-ed every time, and the page faults of mapping them anew were 15% of a worker's
+    CPU time (0.77 of 5.5 s on the 1M-step benchmark; 0.37 s with this). Not glibc: nothing to do.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_TRIM_THRESHOLD, limit)
+        libc.mallopt(M_MMAP_THRESHOLD, limit)
+    except (OSError, AttributeError):
+        pass
 
 
 def parallel_chunks(
