@@ -32,7 +32,14 @@ from offline_agent.dataset import (
 )
 from offline_agent.errors import UserError
 from offline_agent.ingest.options import SourceOptions
-from offline_agent.ingest.parallel import MIN_PARALLEL_BYTES, default_workers, parallel_chunks, scan, start_pool
+from offline_agent.ingest.parallel import (
+    MIN_PARALLEL_BYTES,
+    ChunkResult,
+    default_workers,
+    parallel_chunks,
+    scan,
+    start_pool,
+)
 from offline_agent.ingest.readers import read_records, sniff_layout
 from offline_agent.ingest.registry import FAST_FORMATS, FORMATS, resolve_adapter, user_adapter_items
 from offline_agent.ingest.writer import (
@@ -41,7 +48,9 @@ from offline_agent.ingest.writer import (
     EpisodeRows,
     RowSettings,
     StreamingWriter,
+    drop_from_part,
     quarantine_table,
+    string_array,
 )
 from offline_agent.schema import QUARANTINE_SCHEMA, SCHEMA_VERSION, Episode, Quarantined
 
@@ -164,15 +173,9 @@ def ingest(
         }
         meta["fingerprint"] = combine_digests({**known_digests, **writer.digests})
         meta["episode_digests_file"] = "digests.parquet"
-        pq.write_table(
-            pa.table(
-                {
-                    "episode_id": list({**known_digests, **writer.digests}),
-                    "digest": list({**known_digests, **writer.digests}.values()),
-                }
-            ),
-            tmp / "digests.parquet",
-        )
+        digests = {**known_digests, **writer.digests}
+        columns = [string_array(list(digests)), string_array(list(digests.values()))]
+        pq.write_table(pa.Table.from_arrays(columns, names=["episode_id", "digest"]), tmp / "digests.parquet")
         write_meta(tmp, meta)
     write_catalog(out)
     return summary
@@ -223,6 +226,7 @@ class _SourceRun:
     fast: bool
     #: worker processes, started at the first large JSONL source and shared by the rest (see `close`)
     _pool: ProcessPoolExecutor | None = None
+    _parallel_sources: int = 0  # numbers the part files of each source read by the workers
 
     def ingest(self, path: Path, fmt: str, mapping: dict[str, str], bar) -> SourceSummary:
         adapter_name, adapter = resolve_adapter(fmt, path, mapping) if path.stat().st_size else (fmt, None)
@@ -247,8 +251,11 @@ class _SourceRun:
         opts = SourceOptions(source=str(path), stem=path.stem, sha256=sha, mapping=mapping)
         task = bar.add_task(f"ingest {path.name}", total=None) if bar else None
         if parallel:
+            self._parallel_sources += 1
+            prefix = f"{self.writer.part}-{self._parallel_sources:03d}"
             results = parallel_chunks(
-                self._pool, self.workers, path, chunks, adapter_name, opts, self.settings, self.fast
+                self._pool, self.workers, path, chunks, adapter_name, opts, self.settings, self.writer.folder,
+                prefix, self.fast,
             )
             for result in results:
                 self._take_chunk(result, source)
@@ -286,19 +293,23 @@ class _SourceRun:
                 bar.update(task, completed=source.records_read)
         self.writer.write(rows.build())
 
-    def _take_chunk(self, result, source: SourceSummary) -> None:
-        ids = result.group.episodes["episode_id"].to_pylist()
-        repeated = {i for i in ids if i in self.known_ids}
-        group = result.group.without(repeated)
-        self.known_ids.update(ids)
+    def _take_chunk(self, result: ChunkResult, source: SourceSummary) -> None:
+        """Account for a part a worker wrote; episodes already known (earlier chunks, sources or the
+        appended-to dataset) are taken out of it again."""
+        repeated = {i for i in result.episode_ids if i in self.known_ids}
+        n_steps = result.n_steps
+        if repeated:
+            n_steps, _ = drop_from_part(self.writer.folder, result.part, repeated)
+        self.known_ids.update(result.episode_ids)
+        digests = {k: v for k, v in result.digests.items() if k not in repeated}
         source.records_read += result.records_read
         source.quarantined += len(result.quarantined)
         source.duplicates += result.duplicates + len(repeated)  # per-record formats: one record per episode
-        source.records_ingested += group.episodes.num_rows
-        source.episodes += group.episodes.num_rows
-        source.steps += group.steps.num_rows
+        source.records_ingested += len(digests)
+        source.episodes += len(digests)
+        source.steps += n_steps
         self.quarantined.extend((source.path, q) for q in result.quarantined)
-        self.writer.write(group)
+        self.writer.adopt(digests, n_steps)
 
 
 def _items(path: Path, name: str, adapter, opts: SourceOptions) -> Iterator[Episode | Quarantined]:

@@ -1,31 +1,37 @@
 """Ingesting one large JSONL file with several worker processes.
 
 Parsing and adapting records is pure-Python work bound to one core, so a large
-JSONL file is cut into byte ranges at line boundaries, each range is turned
-into an Arrow row group by a worker process, and the main process writes the
-groups in file order. Line numbers are counted up front, so locations and the
-episode ids derived from them are identical to a single-process ingest. At
-most two ranges per worker are in flight, which bounds memory.
+JSONL file is cut into byte ranges at line boundaries, and each worker turns a
+range into its own pair of Parquet part files (steps and episodes) in the
+dataset's temporary folder, named so that the parts sort in file order. The
+main process gets back only ids, digests and counts: shipping Arrow tables back
+to be written by one process cost more CPU than the writing itself. Line
+numbers are counted up front, so locations and the episode ids derived from
+them are identical to a single-process ingest. At most two ranges per worker
+are in flight, which bounds memory.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.abc
 import multiprocessing
 import os
+import sys
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from offline_agent.ingest.options import SourceOptions
 from offline_agent.ingest.readers import read_jsonl_range
-from offline_agent.ingest.writer import EpisodeRows, RowGroup, RowSettings
+from offline_agent.ingest.writer import EpisodeRows, RowSettings, write_part
 from offline_agent.schema import Quarantined
 
 CHUNK_BYTES = 16 << 20
 BLOCK_BYTES = 4 << 20
+HASH_BLOCKS_IN_FLIGHT = 4
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 #: Below this size the start-up of worker processes costs more than it saves.
 MIN_PARALLEL_BYTES = 48 << 20
@@ -45,7 +51,12 @@ class Chunk:
 
 @dataclass
 class ChunkResult:
-    group: RowGroup
+    """What a worker reports of the part it wrote (`part` None: the range held no episode)."""
+
+    part: str | None
+    episode_ids: list[str]
+    digests: dict[str, str]
+    n_steps: int
     quarantined: list[Quarantined]
     records_read: int
     duplicates: int
@@ -57,15 +68,22 @@ def plan_chunks(path: Path, chunk_bytes: int | None = None) -> list[Chunk]:
 
 
 def scan(path: Path, chunk_bytes: int | None = None) -> tuple[str, list[Chunk]]:
-    """(sha256, chunks) of a file in one read: a range ends after the first newline at or past its size."""
+    """(sha256, chunks) of a file in one read: a range ends after the first newline at or past its size.
+
+    The hash runs in a thread beside the newline count (hashlib lets go of the GIL on large blocks),
+    so the pass takes as long as the slower of the two, not their sum; a few blocks are in flight.
+    """
     chunk_bytes = chunk_bytes or CHUNK_BYTES  # read at call time, so tests can make chunks small
     digest = hashlib.sha256()
     chunks: list[Chunk] = []
     start, lineno = 0, 1
     offset, newlines_before = 0, 0  # of the current block
-    with open(path, "rb") as f:
+    hashing: list[Future[None]] = []
+    with open(path, "rb") as f, ThreadPoolExecutor(max_workers=1) as hasher:
         while block := f.read(BLOCK_BYTES):
-            digest.update(block)
+            hashing.append(hasher.submit(digest.update, block))  # one thread: blocks are hashed in order
+            if len(hashing) > HASH_BLOCKS_IN_FLIGHT:
+                hashing.pop(0).result()
             cut = block.find(b"\n", max(0, start + chunk_bytes - offset))
             while cut >= 0:
                 end = offset + cut + 1
@@ -74,15 +92,19 @@ def scan(path: Path, chunk_bytes: int | None = None) -> tuple[str, list[Chunk]]:
                 cut = block.find(b"\n", max(cut + 1, start + chunk_bytes - offset))
             offset += len(block)
             newlines_before += block.count(b"\n")
+        for pending in hashing:
+            pending.result()
     if start < offset:
         chunks.append(Chunk(start, offset, lineno))
     return digest.hexdigest(), chunks
 
 
 def process_chunk(
-    path: Path, chunk: Chunk, fmt: str, opts: SourceOptions, settings: RowSettings, fast: bool = True
+    path: Path, chunk: Chunk, fmt: str, opts: SourceOptions, settings: RowSettings, folder: Path, part: str,
+    fast: bool = True,
 ) -> ChunkResult:
-    """Worker side: one byte range through the adapter into a row group (duplicates within it dropped)."""
+    """Worker side: one byte range through the adapter into the part files `folder/{steps,episodes}/part.parquet`
+    (duplicates within the range dropped)."""
     from offline_agent.ingest.registry import FAST_FORMATS, FORMATS
 
     adapter = FAST_FORMATS.get(fmt, FORMATS[fmt]) if fast else FORMATS[fmt]
@@ -101,7 +123,12 @@ def process_chunk(
         else:
             seen.add(item.episode_id)
             rows.add(item, opts.source)
-    return ChunkResult(rows.build(), quarantined, read, duplicates)
+    group = rows.build()
+    if group.episodes.num_rows == 0:
+        return ChunkResult(None, [], {}, 0, quarantined, read, duplicates)
+    write_part(folder, part, group)
+    ids = group.episodes["episode_id"].to_pylist()
+    return ChunkResult(part, ids, group.digests, group.steps.num_rows, quarantined, read, duplicates)
 
 
 def start_pool(workers: int) -> ProcessPoolExecutor:
@@ -116,9 +143,19 @@ def start_pool(workers: int) -> ProcessPoolExecutor:
 
 
 def _warm_up() -> None:
-    """Worker start: imports, once, and a malloc setting for a process that does nothing but this."""
+    """Worker start: imports, once, and settings for a process that does nothing but this."""
+    # pyarrow imports pandas, where installed, the first time it converts a list, only to ask whether the
+    # list is a pandas object: 0.15 s of CPU per worker, whose lists never are.
+    sys.meta_path.insert(0, _NoPandas())
     _keep_freed_memory()
     import offline_agent.ingest.registry  # noqa: F401  (the adapters and pyarrow, imported once per worker)
+
+
+class _NoPandas(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201 (the finder protocol)
+        if name == "pandas" or name.startswith("pandas."):
+            raise ImportError("pandas is not imported in ingest workers")
+        return None
 
 
 def _keep_freed_memory(limit: int = 256 << 20) -> None:
@@ -138,18 +175,26 @@ def _keep_freed_memory(limit: int = 256 << 20) -> None:
 
 def parallel_chunks(
     pool: ProcessPoolExecutor, workers: int, path: Path, chunks: list[Chunk], fmt: str, opts: SourceOptions,
-    settings: RowSettings, fast: bool = True,
+    settings: RowSettings, folder: Path, prefix: str, fast: bool = True,
 ) -> Iterator[ChunkResult]:
-    """Chunk results in file order, computed by the pool's `workers` processes, two chunks each in flight."""
+    """Chunk results in file order, computed by the pool's `workers` processes, two chunks each in flight.
+
+    Chunk i writes the part `{prefix}-{i:06d}`, so parts sort in file order.
+    """
     in_flight: list[Future[ChunkResult]] = []
-    queue = iter(chunks)
-    for chunk in queue:
-        in_flight.append(pool.submit(process_chunk, path, chunk, fmt, opts, settings, fast))
+    queue = enumerate(chunks)
+
+    def submit(i: int, chunk: Chunk) -> None:
+        part = f"{prefix}-{i:06d}"
+        in_flight.append(pool.submit(process_chunk, path, chunk, fmt, opts, settings, folder, part, fast))
+
+    for i, chunk in queue:
+        submit(i, chunk)
         if len(in_flight) >= 2 * workers:
             break
     while in_flight:
         result = in_flight.pop(0).result()
-        next_chunk = next(queue, None)
-        if next_chunk is not None:
-            in_flight.append(pool.submit(process_chunk, path, next_chunk, fmt, opts, settings, fast))
+        following = next(queue, None)
+        if following is not None:
+            submit(*following)
         yield result
