@@ -27,11 +27,23 @@ static PyObject *extras[5];        /* keys that make a message not plain */
 static PyObject *k_role, *k_content, *k_tool_calls, *k_function, *k_id, *k_name, *k_arguments;
 static PyObject *k_tool_call_id, *k_assistant_text;
 
-/* "\n".join(filter(None, pending)) */
+/* "\n".join(filter(None, pending)); most observations are one text, returned as it is (as join does). */
 static PyObject *
 join_pending(PyObject *pending)
 {
-    Py_ssize_t n = PyList_GET_SIZE(pending);
+    Py_ssize_t n = PyList_GET_SIZE(pending), non_empty = 0;
+    PyObject *only = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *text = PyList_GET_ITEM(pending, i);
+        if (PyUnicode_GET_LENGTH(text) > 0) {
+            non_empty++;
+            only = text;
+        }
+    }
+    if (non_empty == 0)
+        return PyUnicode_New(0, 0);
+    if (non_empty == 1)
+        return Py_NewRef(only);
     PyObject *kept = PyList_New(0);
     if (kept == NULL)
         return NULL;
@@ -79,10 +91,8 @@ append_step(PyObject **cols, PyObject **pending, PyObject *action, PyObject *kin
     Py_DECREF(observation);
     if (failed)
         return -1;
-    PyObject *fresh = PyList_New(0);
-    if (fresh == NULL)
+    if (PyList_SetSlice(*pending, 0, PyList_GET_SIZE(*pending), NULL) < 0) /* emptied in place */
         return -1;
-    Py_SETREF(*pending, fresh);
     if (PyList_Append(cols[ACTIONS], action) < 0 || PyList_Append(cols[KINDS], kind) < 0 ||
         PyList_Append(cols[TOOL_NAMES], name) < 0 || PyList_Append(cols[TOOL_ARGS], args) < 0 ||
         PyList_Append(cols[IS_ERROR], Py_False) < 0 || PyList_Append(cols[INFOS], info) < 0)
