@@ -24,6 +24,7 @@ static PyObject *newline;          /* "\n" */
 static PyObject *call_prefix;      /* '{"name":', how a message that parse_action may read as a call starts */
 static PyObject *sep_action, *sep_observation, *sep_reward, *zero_text, *empty_text, *reward_format;
 static PyObject *extras[5];        /* keys that make a message not plain */
+static Py_hash_t extra_hashes[5];
 static PyObject *k_role, *k_content, *k_tool_calls, *k_function, *k_id, *k_name, *k_arguments;
 static PyObject *k_tool_call_id, *k_assistant_text;
 
@@ -167,6 +168,33 @@ tool_call(PyObject *call, Py_ssize_t k, PyObject *text, PyObject *calls, PyObjec
     return failed ? -1 : 1;
 }
 
+/* `not EXTRAS.isdisjoint(message)`: a message has 2-5 keys, whose hashes the dict already holds, so
+ * comparing those with the 5 extras' hashes is cheaper than 5 lookups. 1 yes, 0 no, -1 error. */
+static int
+has_extra(PyObject *message)
+{
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(message, &pos, &key, &value)) {
+        if (!PyUnicode_CheckExact(key))
+            goto lookups;
+        Py_hash_t hash = PyObject_Hash(key); /* cached in the string */
+        if (hash == -1)
+            return -1;
+        for (int i = 0; i < 5; i++)
+            if (hash == extra_hashes[i] && PyUnicode_Compare(key, extras[i]) == 0)
+                return 1;
+    }
+    return 0;
+lookups:
+    for (int i = 0; i < 5; i++) {
+        int has = PyDict_Contains(message, extras[i]);
+        if (has != 0)
+            return has;
+    }
+    return 0;
+}
+
 /* One message: 1 taken, 0 not plain, -1 error. */
 static int
 message_step(PyObject *message, PyObject *calls, PyObject *open_calls, PyObject **cols, PyObject **pending,
@@ -174,11 +202,9 @@ message_step(PyObject *message, PyObject *calls, PyObject *open_calls, PyObject 
 {
     if (!PyDict_CheckExact(message))
         return 0;
-    for (int i = 0; i < 5; i++) {
-        int has = PyDict_Contains(message, extras[i]);
-        if (has != 0)
-            return has < 0 ? -1 : 0;
-    }
+    int extra = has_extra(message);
+    if (extra != 0)
+        return extra < 0 ? -1 : 0;
     PyObject *role = PyDict_GetItemWithError(message, k_role);
     if (role == NULL && PyErr_Occurred())
         return -1;
@@ -359,7 +385,8 @@ PyInit__speedups(void)
 {
     static const char *extra_names[5] = {"is_error", "reward", "score", "info", "candidates"};
     for (int i = 0; i < 5; i++)
-        if ((extras[i] = PyUnicode_InternFromString(extra_names[i])) == NULL)
+        if ((extras[i] = PyUnicode_InternFromString(extra_names[i])) == NULL ||
+            (extra_hashes[i] = PyObject_Hash(extras[i])) == -1)
             return NULL;
     if (!(newline = PyUnicode_InternFromString("\n")) ||
         !(call_prefix = PyUnicode_InternFromString("{\"name\":")) ||

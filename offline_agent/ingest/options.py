@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from offline_agent.errors import UserError
-from offline_agent.ingest.builder import RecordError, get_path
+from offline_agent.ingest.builder import RecordError
 
 
 @dataclass(frozen=True)
@@ -23,10 +24,9 @@ class SourceOptions:
         """The value of a logical field: the `--map`ped path if given, else the first default present."""
         paths = (self.mapping[name],) if name in self.mapping else defaults
         for path in paths:
-            try:
-                return get_path(record, path)
-            except KeyError:
-                continue
+            value = path_value(record, path)
+            if value is not MISSING:
+                return value
         if required:
             tried = " or ".join(repr(p) for p in paths)
             hint = f"; name the field with --map {name}=FIELD" if name not in self.mapping else ""
@@ -68,5 +68,25 @@ def require_list(value: Any, what: str) -> list:
 
 def other_fields(record: dict, used: tuple[str, ...]) -> dict[str, Any]:
     """The record's fields that no column holds, kept as episode metadata so nothing is dropped."""
-    top = {u.split(".")[0] for u in used}
+    top = _top_level(used)
     return {k: v for k, v in record.items() if k not in top}
+
+
+@functools.lru_cache(maxsize=64)
+def _top_level(used: tuple[str, ...]) -> frozenset[str]:
+    return frozenset(u.split(".")[0] for u in used)
+
+
+MISSING = object()
+
+
+def path_value(record: Any, dotted: str) -> Any:
+    """`get_path(record, dotted)`, or MISSING where a part is missing (no exception: this runs per record)."""
+    if "." not in dotted:
+        return record.get(dotted, MISSING) if isinstance(record, dict) else MISSING
+    value = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return MISSING
+        value = value[part]
+    return value

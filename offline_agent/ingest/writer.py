@@ -145,20 +145,24 @@ class EpisodeRows:
         n = episode.n_steps
         rewards = step_rewards(episode, self.settings.reward_mode)
         cols = self._steps
-        last = [False] * (n - 1)
-        cols["episode_id"].extend([episode.episode_id] * n)
-        cols["step"].extend(range(n))
-        cols["observation"].extend(episode.observations)
-        cols["action"].extend(episode.actions)
-        cols["action_kind"].extend(episode.action_kinds)
-        cols["tool_name"].extend(episode.tool_names)
-        cols["tool_args"].extend(episode.tool_args)
-        cols["reward"].extend(rewards)
-        cols["terminated"].extend([*last, not episode.truncated])
-        cols["truncated"].extend([*last, episode.truncated])
-        cols["is_error"].extend(episode.is_error)
-        cols["candidates"].extend([None] * n)
-        cols["info"].extend([None if info is None else _json(info) for info in episode.infos])
+        nones = [None] * n
+        ends = [False] * n
+        ends[-1] = not episode.truncated
+        cols["episode_id"] += [episode.episode_id] * n
+        cols["step"] += range(n)
+        cols["observation"] += episode.observations
+        cols["action"] += episode.actions
+        cols["action_kind"] += episode.action_kinds
+        cols["tool_name"] += episode.tool_names
+        cols["tool_args"] += episode.tool_args
+        cols["reward"] += rewards
+        cols["terminated"] += ends
+        ends[-1] = episode.truncated
+        cols["truncated"] += ends
+        cols["is_error"] += episode.is_error
+        cols["candidates"] += nones
+        # An info that is None or empty is written as null (`_json`), so most episodes need no call at all.
+        cols["info"] += [_json(info) for info in episode.infos] if any(episode.infos) else nones
         self._episode_index.extend([len(self._episodes["episode_id"])] * n)
         self._add_episode(episode, source, rewards, episode.actions, episode.observations)
 
