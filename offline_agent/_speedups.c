@@ -23,10 +23,7 @@ static PyObject *kind_message;     /* actions.MESSAGE */
 static PyObject *newline;          /* "\n" */
 static PyObject *call_prefix;      /* '{"name":', how a message that parse_action may read as a call starts */
 static PyObject *sep_action, *sep_observation, *sep_reward, *zero_text, *empty_text, *reward_format;
-static PyObject *extras[5];        /* keys that make a message not plain */
-static Py_hash_t extra_hashes[5];
-static PyObject *k_role, *k_content, *k_tool_calls, *k_function, *k_id, *k_name, *k_arguments;
-static PyObject *k_tool_call_id, *k_assistant_text;
+static PyObject *k_assistant_text;
 
 /* "\n".join(filter(None, pending)); most observations are one text, returned as it is (as join does). */
 static PyObject *
@@ -101,6 +98,60 @@ append_step(PyObject **cols, PyObject **pending, PyObject *action, PyObject *kin
     return 0;
 }
 
+/* Reading a dict's fields in one pass. orjson hands out the same key object for a key it has seen
+ * (its key cache), so each field remembers the last key object that spelled it and most keys are
+ * settled by comparing pointers; the rest by their (cached) hash, then their text. This replaces a
+ * lookup per field, each of which compared our key's text with the dict's. */
+enum { F_ROLE, F_CONTENT, F_TOOL_CALLS, F_TOOL_CALL_ID, F_ID, F_FUNCTION, F_NAME, F_ARGUMENTS, F_EXTRA, N_FIELDS = F_EXTRA + 5 };
+static const char *field_spelling[N_FIELDS] = {"role", "content", "tool_calls", "tool_call_id", "id", "function",
+                                               "name", "arguments", "is_error", "reward", "score", "info",
+                                               "candidates"};
+static PyObject *field_names[N_FIELDS];
+static Py_hash_t field_hashes[N_FIELDS];
+static PyObject *field_keys[N_FIELDS]; /* the last key object seen for each field (a strong reference) */
+
+/* The field a key names: >= 0 a field, -1 none of ours, -2 error, -3 not an exact str. */
+static int
+field_of(PyObject *key)
+{
+    for (int f = 0; f < N_FIELDS; f++)
+        if (key == field_keys[f])
+            return f;
+    if (!PyUnicode_CheckExact(key))
+        return -3;
+    Py_hash_t hash = PyObject_Hash(key);
+    if (hash == -1)
+        return -2;
+    for (int f = 0; f < N_FIELDS; f++) {
+        if (hash == field_hashes[f] && PyUnicode_Compare(key, field_names[f]) == 0) {
+            Py_XSETREF(field_keys[f], Py_NewRef(key));
+            return f;
+        }
+    }
+    return -1;
+}
+
+/* values[f] = dict.get(field f) (borrowed, NULL where absent). 1 done; 0 the dict cannot be plain (a
+ * key that is not an exact str, or with `extras_rule_out`, one of the extras); -1 error. */
+static int
+read_fields(PyObject *dict, PyObject **values, int extras_rule_out)
+{
+    for (int f = 0; f < N_FIELDS; f++)
+        values[f] = NULL;
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(dict, &pos, &key, &value)) {
+        int f = field_of(key);
+        if (f == -2)
+            return -1;
+        if (f == -3 || (f >= F_EXTRA && extras_rule_out))
+            return 0;
+        if (f >= 0)
+            values[f] = value;
+    }
+    return 1;
+}
+
 /* One assistant tool call: 1 appended, 0 not plain, -1 error. */
 static int
 tool_call(PyObject *call, Py_ssize_t k, PyObject *text, PyObject *calls, PyObject *open_calls,
@@ -108,23 +159,19 @@ tool_call(PyObject *call, Py_ssize_t k, PyObject *text, PyObject *calls, PyObjec
 {
     if (!PyDict_CheckExact(call))
         return 0;
-    PyObject *function = PyDict_GetItemWithError(call, k_function);
-    if (function == NULL && PyErr_Occurred())
-        return -1;
-    PyObject *call_id = PyDict_GetItemWithError(call, k_id);
-    if (call_id == NULL && PyErr_Occurred())
-        return -1;
+    PyObject *values[N_FIELDS];
+    int read = read_fields(call, values, 0);
+    if (read != 1)
+        return read;
+    PyObject *function = values[F_FUNCTION], *call_id = values[F_ID];
     if (function == NULL || !PyDict_CheckExact(function) || call_id == NULL || !PyUnicode_CheckExact(call_id))
         return 0;
     int open = PyDict_Contains(open_calls, call_id);
     if (open != 0)
         return open < 0 ? -1 : 0;
-    PyObject *name = PyDict_GetItemWithError(function, k_name);
-    if (name == NULL && PyErr_Occurred())
-        return -1;
-    PyObject *arguments = PyDict_GetItemWithError(function, k_arguments);
-    if (arguments == NULL && PyErr_Occurred())
-        return -1;
+    if ((read = read_fields(function, values, 0)) != 1)
+        return read;
+    PyObject *name = values[F_NAME], *arguments = values[F_ARGUMENTS];
     name = name ? name : Py_None;
     arguments = arguments ? arguments : Py_None;
     PyObject *canonical = NULL; /* new reference */
@@ -168,33 +215,6 @@ tool_call(PyObject *call, Py_ssize_t k, PyObject *text, PyObject *calls, PyObjec
     return failed ? -1 : 1;
 }
 
-/* `not EXTRAS.isdisjoint(message)`: a message has 2-5 keys, whose hashes the dict already holds, so
- * comparing those with the 5 extras' hashes is cheaper than 5 lookups. 1 yes, 0 no, -1 error. */
-static int
-has_extra(PyObject *message)
-{
-    Py_ssize_t pos = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(message, &pos, &key, &value)) {
-        if (!PyUnicode_CheckExact(key))
-            goto lookups;
-        Py_hash_t hash = PyObject_Hash(key); /* cached in the string */
-        if (hash == -1)
-            return -1;
-        for (int i = 0; i < 5; i++)
-            if (hash == extra_hashes[i] && PyUnicode_Compare(key, extras[i]) == 0)
-                return 1;
-    }
-    return 0;
-lookups:
-    for (int i = 0; i < 5; i++) {
-        int has = PyDict_Contains(message, extras[i]);
-        if (has != 0)
-            return has;
-    }
-    return 0;
-}
-
 /* One message: 1 taken, 0 not plain, -1 error. */
 static int
 message_step(PyObject *message, PyObject *calls, PyObject *open_calls, PyObject **cols, PyObject **pending,
@@ -202,15 +222,11 @@ message_step(PyObject *message, PyObject *calls, PyObject *open_calls, PyObject 
 {
     if (!PyDict_CheckExact(message))
         return 0;
-    int extra = has_extra(message);
-    if (extra != 0)
-        return extra < 0 ? -1 : 0;
-    PyObject *role = PyDict_GetItemWithError(message, k_role);
-    if (role == NULL && PyErr_Occurred())
-        return -1;
-    PyObject *text = PyDict_GetItemWithError(message, k_content);
-    if (text == NULL && PyErr_Occurred())
-        return -1;
+    PyObject *values[N_FIELDS];
+    int read = read_fields(message, values, 1);
+    if (read != 1)
+        return read;
+    PyObject *role = values[F_ROLE], *text = values[F_CONTENT];
     if (text == NULL || text == Py_None)
         text = PyUnicode_New(0, 0); /* the empty string singleton: a new reference */
     else if (PyUnicode_CheckExact(text))
@@ -221,8 +237,8 @@ message_step(PyObject *message, PyObject *calls, PyObject *open_calls, PyObject 
     if (role == NULL || !PyUnicode_CheckExact(role)) {
         result = 0;
     } else if (PyUnicode_CompareWithASCIIString(role, "assistant") == 0) {
-        PyObject *tool_calls = PyDict_GetItemWithError(message, k_tool_calls);
-        int any = tool_calls == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(tool_calls);
+        PyObject *tool_calls = values[F_TOOL_CALLS];
+        int any = tool_calls == NULL ? 0 : PyObject_IsTrue(tool_calls);
         if (any < 0) {
             result = -1;
         } else if (!any) {
@@ -248,11 +264,9 @@ message_step(PyObject *message, PyObject *calls, PyObject *open_calls, PyObject 
         result = PyList_Append(*pending, text) < 0 ? -1 : 1;
     } else if (PyUnicode_CompareWithASCIIString(role, "tool") == 0 ||
                PyUnicode_CompareWithASCIIString(role, "function") == 0) {
-        PyObject *call_id = PyDict_GetItemWithError(message, k_tool_call_id);
+        PyObject *call_id = values[F_TOOL_CALL_ID];
         PyObject *index = NULL;
-        if (call_id == NULL && PyErr_Occurred())
-            result = -1;
-        else if (call_id == NULL || !PyUnicode_CheckExact(call_id))
+        if (call_id == NULL || !PyUnicode_CheckExact(call_id))
             result = 0;
         else if ((index = PyDict_GetItemWithError(open_calls, call_id)) == NULL)
             result = PyErr_Occurred() ? -1 : 0;
@@ -383,22 +397,15 @@ static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_speedups", NULL
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    static const char *extra_names[5] = {"is_error", "reward", "score", "info", "candidates"};
-    for (int i = 0; i < 5; i++)
-        if ((extras[i] = PyUnicode_InternFromString(extra_names[i])) == NULL ||
-            (extra_hashes[i] = PyObject_Hash(extras[i])) == -1)
+    for (int f = 0; f < N_FIELDS; f++)
+        if ((field_names[f] = PyUnicode_InternFromString(field_spelling[f])) == NULL ||
+            (field_hashes[f] = PyObject_Hash(field_names[f])) == -1)
             return NULL;
     if (!(newline = PyUnicode_InternFromString("\n")) ||
         !(call_prefix = PyUnicode_InternFromString("{\"name\":")) ||
         !(sep_action = PyUnicode_FromStringAndSize("\x00", 1)) || !(sep_observation = PyUnicode_FromString("\x01")) ||
         !(sep_reward = PyUnicode_FromString("\x02")) || !(zero_text = PyUnicode_FromString("0")) ||
-        !(empty_text = PyUnicode_FromString("")) || !(reward_format = PyUnicode_FromString(".6g")) || !(k_role = PyUnicode_InternFromString("role")) ||
-        !(k_content = PyUnicode_InternFromString("content")) ||
-        !(k_tool_calls = PyUnicode_InternFromString("tool_calls")) ||
-        !(k_function = PyUnicode_InternFromString("function")) || !(k_id = PyUnicode_InternFromString("id")) ||
-        !(k_name = PyUnicode_InternFromString("name")) ||
-        !(k_arguments = PyUnicode_InternFromString("arguments")) ||
-        !(k_tool_call_id = PyUnicode_InternFromString("tool_call_id")) ||
+        !(empty_text = PyUnicode_FromString("")) || !(reward_format = PyUnicode_FromString(".6g")) ||
         !(k_assistant_text = PyUnicode_InternFromString("assistant_text")))
         return NULL;
     return PyModule_Create(&module_def);
