@@ -385,8 +385,82 @@ digest_body(PyObject *module, PyObject *args)
     return body;
 }
 
+/* The step columns of one episode appended to a row group's lists: `EpisodeRows._add_columns` in C.
+ * extend_columns(lists, episode_id, observations, actions, kinds, tool_names, tool_args, is_error, infos,
+ *                rewards, truncated, index, to_json)
+ * lists: the 14 lists episode_id, step, observation, action, action_kind, tool_name, tool_args, reward,
+ * terminated, truncated, is_error, candidates, info, episode_index; the per-step arguments are lists of
+ * one length n >= 1; infos that are None or empty are written None, the others as to_json(info). */
+enum { L_EPISODE_ID, L_STEP, L_OBSERVATION, L_ACTION, L_KIND, L_TOOL_NAME, L_TOOL_ARGS, L_REWARD, L_TERMINATED,
+       L_TRUNCATED, L_IS_ERROR, L_CANDIDATES, L_INFO, L_EPISODE_INDEX, N_LISTS };
+
+static int
+extend_list(PyObject *list, PyObject *items)
+{
+    return PyList_SetSlice(list, PyList_GET_SIZE(list), PyList_GET_SIZE(list), items);
+}
+
+static PyObject *
+extend_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 13) {
+        PyErr_SetString(PyExc_TypeError, "extend_columns takes 13 arguments");
+        return NULL;
+    }
+    PyObject *lists = args[0], *episode_id = args[1], *infos = args[8], *rewards = args[9], *to_json = args[12];
+    int truncated = PyObject_IsTrue(args[10]);
+    if (truncated < 0)
+        return NULL;
+    if (!PyTuple_CheckExact(lists) || PyTuple_GET_SIZE(lists) != N_LISTS) {
+        PyErr_SetString(PyExc_TypeError, "lists must be a tuple of 14 lists");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < N_LISTS; i++)
+        if (!PyList_CheckExact(PyTuple_GET_ITEM(lists, i))) {
+            PyErr_SetString(PyExc_TypeError, "lists must be a tuple of 14 lists");
+            return NULL;
+        }
+    Py_ssize_t n = PyList_Check(args[3]) ? PyList_GET_SIZE(args[3]) : -1;
+    for (int a = 2; a <= 9; a++)
+        if (!PyList_Check(args[a]) || PyList_GET_SIZE(args[a]) != n || n < 1) {
+            PyErr_SetString(PyExc_ValueError, "the per-step columns must be lists of one length, at least 1");
+            return NULL;
+        }
+#define L(i) PyTuple_GET_ITEM(lists, i)
+    if (extend_list(L(L_OBSERVATION), args[2]) < 0 || extend_list(L(L_ACTION), args[3]) < 0 ||
+        extend_list(L(L_KIND), args[4]) < 0 || extend_list(L(L_TOOL_NAME), args[5]) < 0 ||
+        extend_list(L(L_TOOL_ARGS), args[6]) < 0 || extend_list(L(L_IS_ERROR), args[7]) < 0 ||
+        extend_list(L(L_REWARD), rewards) < 0)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *step = PyLong_FromSsize_t(i);
+        if (step == NULL)
+            return NULL;
+        int last = i == n - 1, failed = PyList_Append(L(L_STEP), step) < 0;
+        Py_DECREF(step);
+        PyObject *info = PyList_GET_ITEM(infos, i), *text;
+        int empty = info == Py_None ? 1 : !PyObject_IsTrue(info);
+        if (empty < 0)
+            return NULL;
+        text = empty ? Py_NewRef(Py_None) : PyObject_CallOneArg(to_json, info);
+        if (text == NULL)
+            return NULL;
+        failed = failed || PyList_Append(L(L_INFO), text) < 0;
+        Py_DECREF(text);
+        if (failed || PyList_Append(L(L_EPISODE_ID), episode_id) < 0 ||
+            PyList_Append(L(L_TERMINATED), last && !truncated ? Py_True : Py_False) < 0 ||
+            PyList_Append(L(L_TRUNCATED), last && truncated ? Py_True : Py_False) < 0 ||
+            PyList_Append(L(L_CANDIDATES), Py_None) < 0 || PyList_Append(L(L_EPISODE_INDEX), args[11]) < 0)
+            return NULL;
+    }
+#undef L
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"digest_body", digest_body, METH_VARARGS, "the per-step body of episode_digest"},
+    {"extend_columns", (PyCFunction)(void (*)(void))extend_columns, METH_FASTCALL,
+     "one columnar episode's step columns appended to a row group's lists"},
     {"walk", walk, METH_VARARGS, "walk(messages, calls) -> columns tuple, or None when the record is not plain"},
     {"configure", configure, METH_VARARGS, "configure(canonical_call, looks_like_error, tool_call, message)"},
     {NULL, NULL, 0, NULL},

@@ -12,6 +12,7 @@ import pytest
 
 from offline_agent.dataset import _digest_body_python
 from offline_agent.ingest import openai_chat
+from offline_agent.ingest.writer import _extend_columns_python, _json
 from tests.test_ingest_fast import _records
 
 speedups = pytest.importorskip("offline_agent._speedups", reason="the C extension was not built (no compiler)")
@@ -138,3 +139,34 @@ def test_the_compiled_digest_body_rejects_what_python_would_not_hash():
     with pytest.raises(TypeError, match="strings"):
         speedups.digest_body([None], ["o"], [0.0])
     assert speedups.digest_body([], [], []) == ""
+
+
+def _episode_columns(n: int, truncated: bool, infos: list) -> tuple:
+    return (f"ep-{n}", [f"o{i}" for i in range(n)], [f"a{i}" for i in range(n)], ["tool_call"] * n,
+            [f"t{i}" for i in range(n)], [None] * n, [i % 2 == 0 for i in range(n)], infos,
+            [0.0] * (n - 1) + [1.5], truncated, 7)
+
+
+@pytest.mark.parametrize("n, truncated, infos", [
+    (1, False, [None]),
+    (1, True, [{}]),
+    (3, False, [None, {"assistant_text": "x"}, {}]),
+    (4, True, [{"final_observation": "é"}, None, None, {"k": [1, None]}]),
+])
+def test_the_compiled_column_append_equals_the_python_one(n, truncated, infos):
+    expected = tuple([f"old{i}"] for i in range(14))  # appended to lists that already hold a row
+    got = tuple([f"old{i}"] for i in range(14))
+    _extend_columns_python(expected, *_episode_columns(n, truncated, infos), _json)
+    speedups.extend_columns(got, *_episode_columns(n, truncated, infos), _json)
+    assert got == expected
+    assert expected[8][1:] == [False] * (n - 1) + [not truncated] and expected[9][-1] == truncated
+
+
+def test_the_compiled_column_append_rejects_ragged_columns():
+    lists = tuple([] for _ in range(14))
+    columns = list(_episode_columns(3, False, [None] * 3))
+    columns[1] = ["only one observation"]
+    with pytest.raises(ValueError, match="one length"):
+        speedups.extend_columns(lists, *columns, _json)
+    with pytest.raises(TypeError, match="14 lists"):
+        speedups.extend_columns(lists[:13], *_episode_columns(3, False, [None] * 3), _json)

@@ -155,8 +155,10 @@ def ingest(
             with _progress(progress) as bar:
                 for path in files:
                     summary.sources.append(run.ingest(path, fmt, mapping, bar))
-        finally:
-            run.close()
+        except BaseException:
+            run.close(wait=True)  # no worker may still be writing when the temporary folder is removed
+            raise
+        run.close(wait=False)
         writer.close()
         if strict and quarantined:
             first = "; ".join(f"{s} {q.location}: {q.reason}" for s, q in quarantined[:3])
@@ -265,9 +267,11 @@ class _SourceRun:
             self._ingest_sequentially(path, adapter_name, adapter, opts, source, bar, task)
         return source
 
-    def close(self) -> None:
+    def close(self, wait: bool) -> None:
+        """Stop the workers. After a complete run every part is written, so `wait=False` lets the idle
+        workers exit on their own (the interpreter joins them at exit) while this process writes the rest."""
         if self._pool is not None:
-            self._pool.shutdown(cancel_futures=True)
+            self._pool.shutdown(wait=wait, cancel_futures=True)
             self._pool = None
 
     def _ingest_sequentially(self, path, adapter_name, adapter, opts, source, bar, task) -> None:

@@ -57,6 +57,47 @@ def step_rewards(episode: Episode | ColumnarEpisode, mode: str) -> list[float]:
     raise ValueError(f"unknown reward mode {mode!r}; expected one of {REWARD_MODES}")
 
 
+#: Step columns in the order `_extend_columns` takes their lists (then the episode index).
+COLUMN_ORDER = ("episode_id", "step", "observation", "action", "action_kind", "tool_name", "tool_args", "reward",
+                "terminated", "truncated", "is_error", "candidates", "info")
+
+
+def _extend_columns_python(
+    lists: tuple[list, ...], episode_id: str, observations: list, actions: list, kinds: list, tool_names: list,
+    tool_args: list, is_error: list, infos: list, rewards: list, truncated: bool, index: int, to_json,
+) -> None:
+    """Append one columnar episode's steps to the lists of COLUMN_ORDER and the episode index
+    (`_speedups.extend_columns` is this function compiled; the tests hold them to the same result)."""
+    (episode_ids, steps, observation, action, action_kind, tool_name, tool_arg, reward, terminated, truncateds,
+     errors, candidates, info, episode_index) = lists
+    n = len(actions)
+    nones = [None] * n
+    ends = [False] * n
+    episode_ids += [episode_id] * n
+    steps += range(n)
+    observation += observations
+    action += actions
+    action_kind += kinds
+    tool_name += tool_names
+    tool_arg += tool_args
+    reward += rewards
+    ends[-1] = not truncated
+    terminated += ends
+    ends[-1] = truncated
+    truncateds += ends
+    errors += is_error
+    candidates += nones
+    # An info that is None or empty is written as null (`_json`), so most episodes need no call at all.
+    info += [to_json(i) for i in infos] if any(infos) else nones
+    episode_index += [index] * n
+
+
+try:  # compiled where a C compiler was there at install time (see setup.py)
+    from offline_agent._speedups import extend_columns as _extend_columns
+except ImportError:
+    _extend_columns = _extend_columns_python
+
+
 def _json(value: Any) -> str | None:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode() if value else None
 
@@ -103,6 +144,8 @@ class EpisodeRows:
         self._episodes: dict[str, list] = {name: [] for name in EPISODES_SCHEMA.names}
         self._episode_index: list[int] = []
         self._digests: dict[str, str] = {}
+        # The lists `_extend_columns` appends to, in its order.
+        self._lists = (*(self._steps[name] for name in COLUMN_ORDER), self._episode_index)
 
     @property
     def n_steps(self) -> int:
@@ -142,28 +185,12 @@ class EpisodeRows:
 
     def _add_columns(self, episode: ColumnarEpisode, source: str) -> None:
         """`add` for an episode already in columns: whole columns are extended, nothing is parsed again."""
-        n = episode.n_steps
         rewards = step_rewards(episode, self.settings.reward_mode)
-        cols = self._steps
-        nones = [None] * n
-        ends = [False] * n
-        ends[-1] = not episode.truncated
-        cols["episode_id"] += [episode.episode_id] * n
-        cols["step"] += range(n)
-        cols["observation"] += episode.observations
-        cols["action"] += episode.actions
-        cols["action_kind"] += episode.action_kinds
-        cols["tool_name"] += episode.tool_names
-        cols["tool_args"] += episode.tool_args
-        cols["reward"] += rewards
-        cols["terminated"] += ends
-        ends[-1] = episode.truncated
-        cols["truncated"] += ends
-        cols["is_error"] += episode.is_error
-        cols["candidates"] += nones
-        # An info that is None or empty is written as null (`_json`), so most episodes need no call at all.
-        cols["info"] += [_json(info) for info in episode.infos] if any(episode.infos) else nones
-        self._episode_index.extend([len(self._episodes["episode_id"])] * n)
+        e = episode
+        _extend_columns(
+            self._lists, e.episode_id, e.observations, e.actions, e.action_kinds, e.tool_names, e.tool_args,
+            e.is_error, e.infos, rewards, e.truncated, len(self._episodes["episode_id"]), _json,
+        )
         self._add_episode(episode, source, rewards, episode.actions, episode.observations)
 
     def _add_episode(self, episode: Episode | ColumnarEpisode, source: str, rewards: list[float],
