@@ -15,6 +15,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <math.h>
+#include <string.h>
 
 static PyObject *canonical_call;   /* (name, arguments, calls) -> (action, args_json) | None */
 static PyObject *looks_like_error; /* text -> bool */
@@ -341,15 +342,15 @@ configure(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* "".join(map("\x00{}\x01{}\x02{:.6g}".format, actions, observations, rewards)): the body of
- * `dataset.episode_digest`, built in one allocation. A reward of 0.0, most steps' under `--reward
- * outcome`, is written "0" without a call to format. */
+/* The bytes `dataset.episode_digest` hashes: episode_id.encode() + body.encode(errors="surrogatepass"), body
+ * = "".join(map("\x00{}\x01{}\x02{:.6g}".format, actions, observations, rewards)). A reward of 0.0, most
+ * steps' under `--reward outcome`, is written "0" without a call to format. */
 static PyObject *
-digest_body(PyObject *module, PyObject *args)
+digest_bytes(PyObject *module, PyObject *args)
 {
-    PyObject *actions, *observations, *rewards;
-    if (!PyArg_ParseTuple(args, "O!O!O!:digest_body", &PyList_Type, &actions, &PyList_Type, &observations,
-                          &PyList_Type, &rewards))
+    PyObject *episode_id, *actions, *observations, *rewards;
+    if (!PyArg_ParseTuple(args, "UO!O!O!:digest_bytes", &episode_id, &PyList_Type, &actions, &PyList_Type,
+                          &observations, &PyList_Type, &rewards))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(actions);
     if (PyList_GET_SIZE(observations) != n || PyList_GET_SIZE(rewards) != n) {
@@ -382,7 +383,22 @@ digest_body(PyObject *module, PyObject *args)
     }
     PyObject *body = PyUnicode_Join(empty_text, pieces);
     Py_DECREF(pieces);
-    return body;
+    if (body == NULL)
+        return NULL;
+    PyObject *head = PyUnicode_AsUTF8String(episode_id);
+    PyObject *tail = PyUnicode_AsEncodedString(body, "utf-8", "surrogatepass");
+    Py_DECREF(body);
+    PyObject *out = NULL;
+    if (head != NULL && tail != NULL) {
+        Py_ssize_t n_head = PyBytes_GET_SIZE(head), n_tail = PyBytes_GET_SIZE(tail);
+        if ((out = PyBytes_FromStringAndSize(NULL, n_head + n_tail)) != NULL) {
+            memcpy(PyBytes_AS_STRING(out), PyBytes_AS_STRING(head), n_head);
+            memcpy(PyBytes_AS_STRING(out) + n_head, PyBytes_AS_STRING(tail), n_tail);
+        }
+    }
+    Py_XDECREF(head);
+    Py_XDECREF(tail);
+    return out;
 }
 
 /* The step columns of one episode appended to a row group's lists: `EpisodeRows._add_columns` in C.
@@ -458,7 +474,7 @@ extend_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef methods[] = {
-    {"digest_body", digest_body, METH_VARARGS, "the per-step body of episode_digest"},
+    {"digest_bytes", digest_bytes, METH_VARARGS, "the bytes episode_digest hashes"},
     {"extend_columns", (PyCFunction)(void (*)(void))extend_columns, METH_FASTCALL,
      "one columnar episode's step columns appended to a row group's lists"},
     {"walk", walk, METH_VARARGS, "walk(messages, calls) -> columns tuple, or None when the record is not plain"},

@@ -68,23 +68,23 @@ def episode_digest(episode_id: str, actions: list[str], observations: list[str],
     """Content hash of one episode; the dataset fingerprint combines these, so it does not depend on file layout."""
     if not len(actions) == len(observations) == len(rewards):
         raise ValueError("actions, observations and rewards must have one entry per step")
-    # Per step: \x00 action \x01 observation \x02 reward (%.6g), encoded once as one string (the same
-    # bytes as encoding each piece: the separators keep surrogates of different pieces apart).
-    body = _digest_body(actions, observations, rewards)
-    return hashlib.sha256(episode_id.encode() + body.encode(errors="surrogatepass")).hexdigest()
+    return hashlib.sha256(_digest_bytes(episode_id, actions, observations, rewards)).hexdigest()
 
 
 _STEP_DIGEST_FORMAT = "\x00{}\x01{}\x02{:.6g}".format
 
 
-def _digest_body_python(actions: list[str], observations: list[str], rewards: list[float]) -> str:
-    return "".join(map(_STEP_DIGEST_FORMAT, actions, observations, rewards))
+def _digest_bytes_python(episode_id: str, actions: list[str], observations: list[str], rewards: list[float]) -> bytes:
+    # Per step: \x00 action \x01 observation \x02 reward (%.6g), encoded once as one string (the same
+    # bytes as encoding each piece: the separators keep surrogates of different pieces apart).
+    body = "".join(map(_STEP_DIGEST_FORMAT, actions, observations, rewards))
+    return episode_id.encode() + body.encode(errors="surrogatepass")
 
 
-try:  # the same string built in one allocation, where the compiled module was built (see setup.py)
-    from offline_agent._speedups import digest_body as _digest_body
+try:  # the same bytes built in C, where the compiled module was built (see setup.py)
+    from offline_agent._speedups import digest_bytes as _digest_bytes
 except ImportError:
-    _digest_body = _digest_body_python
+    _digest_bytes = _digest_bytes_python
 
 
 def combine_digests(digests: dict[str, str]) -> str:

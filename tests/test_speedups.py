@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from offline_agent.dataset import _digest_body_python
+from offline_agent.dataset import _digest_bytes_python
 from offline_agent.ingest import openai_chat
 from offline_agent.ingest.writer import _extend_columns_python, _json
 from tests.test_ingest_fast import _records
@@ -127,18 +127,22 @@ def test_the_walk_checks_its_arguments():
     [[0.0, -0.0, 1.0], [1e-7, 0.5, 123456789.0], [float("nan"), float("inf"), 2 / 3], [0, 1, True],
      [-1e300, 5e-324, 7]],
 )
-def test_the_compiled_digest_body_equals_the_python_format(rewards):
+def test_the_compiled_digest_bytes_equal_the_python_ones(rewards):
     actions = ["a", '{"name":"t","arguments":{}}', "é \ud800"]
     observations = ["", "obs\x00with nul", "\U0001f600"]
-    assert speedups.digest_body(actions, observations, rewards) == _digest_body_python(actions, observations, rewards)
+    for episode_id in ("e", "é-1", ""):
+        expected = _digest_bytes_python(episode_id, actions, observations, rewards)
+        assert speedups.digest_bytes(episode_id, actions, observations, rewards) == expected
 
 
-def test_the_compiled_digest_body_rejects_what_python_would_not_hash():
+def test_the_compiled_digest_bytes_reject_what_python_would_not_hash():
     with pytest.raises(ValueError, match="one entry per step"):
-        speedups.digest_body(["a"], [], [])
+        speedups.digest_bytes("e", ["a"], [], [])
     with pytest.raises(TypeError, match="strings"):
-        speedups.digest_body([None], ["o"], [0.0])
-    assert speedups.digest_body([], [], []) == ""
+        speedups.digest_bytes("e", [None], ["o"], [0.0])
+    with pytest.raises(UnicodeEncodeError):  # as episode_id.encode() would
+        speedups.digest_bytes("\ud800", [], [], [])
+    assert speedups.digest_bytes("e", [], [], []) == b"e"
 
 
 def _episode_columns(n: int, truncated: bool, infos: list) -> tuple:
