@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import orjson
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from offline_agent.actions import TOOL_CALL, parse_action
@@ -124,6 +123,8 @@ class RowGroup:
         """The same group minus some episodes (duplicates found after the group was built)."""
         if not episode_ids:
             return self
+        import pyarrow.compute as pc  # here: a worker process rarely needs it, and importing it costs 20 ms
+
         drop = pa.array(sorted(episode_ids), pa.string())
         return RowGroup(
             self.steps.filter(pc.invert(pc.is_in(self.steps["episode_id"], value_set=drop))),
