@@ -52,14 +52,15 @@ def per_record_fast(
     """`per_record(adapt_record)`, except that records `build` can lay out in columns skip the adapter.
 
     `build(record, options, cache)` returns None for a record it does not vouch for; `cache` is its
-    own memo, kept for one source.
+    own memo (of what does not depend on the source), kept for the life of the process: a worker
+    process reads many ranges, and starting each with an empty memo cost 5% of its time.
     """
     reference = per_record(adapt_record)
+    cache: dict = {}
 
     def adapt(
         items: Iterable[Record | Quarantined], opts: SourceOptions
     ) -> Iterator[Episode | ColumnarEpisode | Quarantined]:
-        cache: dict = {}
         for item in items:
             episode = None if isinstance(item, Quarantined) else build(item, opts, cache)
             if episode is None:
