@@ -176,15 +176,16 @@ tool_call(PyObject *call, Py_ssize_t k, PyObject *text, PyObject *calls, PyObjec
     name = name ? name : Py_None;
     arguments = arguments ? arguments : Py_None;
     PyObject *canonical = NULL; /* new reference */
-    if (PyUnicode_CheckExact(name) && PyUnicode_CheckExact(arguments)) {
-        PyObject *key = PyTuple_Pack(2, name, arguments);
-        if (key == NULL)
+    if (PyUnicode_CheckExact(name) && PyUnicode_CheckExact(arguments)) { /* calls[name][arguments] */
+        PyObject *by_arguments = PyDict_GetItemWithError(calls, name);
+        if (by_arguments == NULL && PyErr_Occurred())
             return -1;
-        canonical = PyDict_GetItemWithError(calls, key);
-        Py_DECREF(key);
-        if (canonical == NULL && PyErr_Occurred())
-            return -1;
-        Py_XINCREF(canonical);
+        if (by_arguments != NULL && PyDict_CheckExact(by_arguments)) {
+            canonical = PyDict_GetItemWithError(by_arguments, arguments);
+            if (canonical == NULL && PyErr_Occurred())
+                return -1;
+            Py_XINCREF(canonical);
+        }
     }
     if (canonical == NULL) {
         canonical = PyObject_CallFunctionObjArgs(canonical_call, name, arguments, calls, NULL);

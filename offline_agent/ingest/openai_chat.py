@@ -131,7 +131,10 @@ def _agent(r: dict) -> str | None:
 # functions give the same rows; tests check it column by column on every bundled and real log.
 
 EXTRAS = frozenset({*RESULT_EXTRAS, "candidates"})
-#: Distinct (name, arguments) pairs remembered per source; a bound, so memory stays flat.
+#: The canonical-call memo is `{name: {arguments string: (action, arguments JSON)}}`: two string lookups
+#: and no key tuple to build, hash and compare per call. Bounds on the names and on the arguments kept
+#: per name keep memory flat.
+MAX_CACHED_NAMES = 1_000
 MAX_CACHED_CALLS = 100_000
 
 
@@ -140,7 +143,7 @@ def plain_episode(record: Record, opts: SourceOptions, calls: dict) -> ColumnarE
     r = record.value
     if type(r) is not dict:
         return None
-    if len(calls) > MAX_CACHED_CALLS:
+    if len(calls) > MAX_CACHED_NAMES:
         calls.clear()
     messages = opts.lookup(r, "messages", MESSAGES)
     if type(messages) is not list:
@@ -224,7 +227,8 @@ def walk_messages(messages: list, calls: dict) -> tuple | None:
                 if type(function) is not dict or type(call_id) is not str or call_id in open_calls:
                     return None
                 name, arguments = function.get("name"), function.get("arguments")
-                canonical = calls.get((name, arguments)) if type(name) is str and type(arguments) is str else None
+                by_arguments = calls.get(name) if type(name) is str and type(arguments) is str else None
+                canonical = by_arguments.get(arguments) if by_arguments is not None else None
                 if canonical is None and (canonical := _canonical_call(name, arguments, calls)) is None:
                     return None
                 open_calls[call_id] = len(actions)
@@ -254,18 +258,21 @@ def walk_messages(messages: list, calls: dict) -> tuple | None:
 
 
 def _canonical_call(name: Any, arguments: Any, calls: dict) -> tuple[str, str] | None:
-    """(canonical action, sorted-key arguments JSON) of a call, cached by (name, arguments string)."""
-    key = (name, arguments) if type(name) is str and type(arguments) is str else None
-    if key is not None and key in calls:
-        return calls[key]
+    """(canonical action, sorted-key arguments JSON) of a call, memoised by name and arguments string."""
+    cacheable = type(name) is str and type(arguments) is str
+    if cacheable and arguments in calls.get(name, ()):
+        return calls[name][arguments]
     try:
         action = tool_call_text(name, arguments)
     except ActionError:
         return None
     # tool_call_text writes `{"name":<name>,"arguments":<sorted args>}`: the arguments are its tail.
     canonical = (action, action[len('{"name":') + len(orjson.dumps(name).decode()) + len(',"arguments":'):-1])
-    if key is not None:
-        calls[key] = canonical
+    if cacheable:
+        by_arguments = calls.setdefault(name, {})
+        if len(by_arguments) >= MAX_CACHED_CALLS:
+            by_arguments.clear()
+        by_arguments[arguments] = canonical
     return canonical
 
 
