@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -95,3 +96,17 @@ def test_string_arrays_built_from_buffers_equal_pyarrows_own(values):
     built = string_array(values)
     built.validate(full=True)
     assert built.equals(pa.array(values, pa.string())) and built.to_pylist() == values
+
+
+def _blas_threads() -> str | None:
+    return os.environ.get("OPENBLAS_NUM_THREADS")
+
+
+def test_workers_run_one_blas_thread_and_the_callers_environment_is_left_as_it_was(monkeypatch):
+    monkeypatch.delenv("OPENBLAS_NUM_THREADS", raising=False)
+    pool = parallel_module.start_pool(1)
+    try:
+        assert pool.submit(_blas_threads).result() == "1"
+    finally:
+        pool.shutdown()
+    assert "OPENBLAS_NUM_THREADS" not in os.environ

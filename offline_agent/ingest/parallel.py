@@ -153,8 +153,18 @@ def start_pool(workers: int) -> ProcessPoolExecutor:
     pool = ProcessPoolExecutor(
         max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_warm_up
     )
-    for _ in range(workers):  # processes start on demand: ask for all of them now
-        pool.submit(int)
+    # A worker runs one thread. OpenBLAS (numpy's) would start a thread per core in each worker at import,
+    # spinning for a while: the environment a spawned process starts with is read when it is started.
+    saved = os.environ.get("OPENBLAS_NUM_THREADS")
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+    try:
+        for _ in range(workers):  # processes start on demand: ask for all of them now
+            pool.submit(int)
+    finally:
+        if saved is None:
+            del os.environ["OPENBLAS_NUM_THREADS"]
+        else:
+            os.environ["OPENBLAS_NUM_THREADS"] = saved
     return pool
 
 
