@@ -343,42 +343,34 @@ configure(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
-/* The bytes `dataset.episode_digest` hashes: episode_id.encode() + body.encode(errors="surrogatepass"), body
- * = "".join(map("\x00{}\x01{}\x02{:.6g}".format, actions, observations, rewards)). A reward of 0.0, most
- * steps' under `--reward outcome`, is written "0" without a call to format. */
+/* reward as the digest writes it, "{:.6g}": a new reference. 0.0, most steps' reward under `--reward
+ * outcome`, is "0" without a call to format. */
 static PyObject *
-digest_bytes(PyObject *module, PyObject *args)
+reward_text(PyObject *reward)
 {
-    PyObject *episode_id, *actions, *observations, *rewards;
-    if (!PyArg_ParseTuple(args, "UO!O!O!:digest_bytes", &episode_id, &PyList_Type, &actions, &PyList_Type,
-                          &observations, &PyList_Type, &rewards))
-        return NULL;
+    if (PyFloat_CheckExact(reward) && PyFloat_AS_DOUBLE(reward) == 0.0 && !signbit(PyFloat_AS_DOUBLE(reward)))
+        return Py_NewRef(zero_text);
+    return PyObject_Format(reward, reward_format);
+}
+
+/* digest_bytes through one str and its encoding: the general case (texts with lone surrogates). */
+static PyObject *
+digest_bytes_general(PyObject *episode_id, PyObject *actions, PyObject *observations, PyObject *rewards)
+{
     Py_ssize_t n = PyList_GET_SIZE(actions);
-    if (PyList_GET_SIZE(observations) != n || PyList_GET_SIZE(rewards) != n) {
-        PyErr_SetString(PyExc_ValueError, "actions, observations and rewards must have one entry per step");
-        return NULL;
-    }
     PyObject *pieces = PyList_New(6 * n);
     if (pieces == NULL)
         return NULL;
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *action = PyList_GET_ITEM(actions, i), *observation = PyList_GET_ITEM(observations, i);
-        PyObject *reward = PyList_GET_ITEM(rewards, i), *text;
-        if (!PyUnicode_Check(action) || !PyUnicode_Check(observation)) {
-            Py_DECREF(pieces);
-            PyErr_SetString(PyExc_TypeError, "actions and observations must be strings");
-            return NULL;
-        }
-        if (PyFloat_CheckExact(reward) && PyFloat_AS_DOUBLE(reward) == 0.0 && !signbit(PyFloat_AS_DOUBLE(reward)))
-            text = Py_NewRef(zero_text);
-        else if ((text = PyObject_Format(reward, reward_format)) == NULL) {
+        PyObject *text = reward_text(PyList_GET_ITEM(rewards, i));
+        if (text == NULL) {
             Py_DECREF(pieces);
             return NULL;
         }
         PyList_SET_ITEM(pieces, 6 * i, Py_NewRef(sep_action));
-        PyList_SET_ITEM(pieces, 6 * i + 1, Py_NewRef(action));
+        PyList_SET_ITEM(pieces, 6 * i + 1, Py_NewRef(PyList_GET_ITEM(actions, i)));
         PyList_SET_ITEM(pieces, 6 * i + 2, Py_NewRef(sep_observation));
-        PyList_SET_ITEM(pieces, 6 * i + 3, Py_NewRef(observation));
+        PyList_SET_ITEM(pieces, 6 * i + 3, Py_NewRef(PyList_GET_ITEM(observations, i)));
         PyList_SET_ITEM(pieces, 6 * i + 4, Py_NewRef(sep_reward));
         PyList_SET_ITEM(pieces, 6 * i + 5, text);
     }
@@ -399,6 +391,82 @@ digest_bytes(PyObject *module, PyObject *args)
     }
     Py_XDECREF(head);
     Py_XDECREF(tail);
+    return out;
+}
+
+/* The bytes `dataset.episode_digest` hashes: episode_id.encode() + body.encode(errors="surrogatepass"), body
+ * = "".join(map("\x00{}\x01{}\x02{:.6g}".format, actions, observations, rewards)). Built by copying each
+ * text's UTF-8 (which a str keeps, or computes once) straight into the result; a text with a lone
+ * surrogate has no UTF-8 of its own, and the episode takes the general path. */
+static PyObject *
+digest_bytes(PyObject *module, PyObject *args)
+{
+    PyObject *episode_id, *actions, *observations, *rewards;
+    if (!PyArg_ParseTuple(args, "UO!O!O!:digest_bytes", &episode_id, &PyList_Type, &actions, &PyList_Type,
+                          &observations, &PyList_Type, &rewards))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(actions);
+    if (PyList_GET_SIZE(observations) != n || PyList_GET_SIZE(rewards) != n) {
+        PyErr_SetString(PyExc_ValueError, "actions, observations and rewards must have one entry per step");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyUnicode_Check(PyList_GET_ITEM(actions, i)) || !PyUnicode_Check(PyList_GET_ITEM(observations, i))) {
+            PyErr_SetString(PyExc_TypeError, "actions and observations must be strings");
+            return NULL;
+        }
+    Py_ssize_t id_size;
+    const char *id_utf8 = PyUnicode_AsUTF8AndSize(episode_id, &id_size); /* strict, as episode_id.encode() */
+    if (id_utf8 == NULL)
+        return NULL;
+    /* Per step: the UTF-8 of action, observation and reward text, and the reward text object. */
+    const char **texts = PyMem_Malloc(sizeof(char *) * 3 * (n ? n : 1));
+    Py_ssize_t *sizes = PyMem_Malloc(sizeof(Py_ssize_t) * 3 * (n ? n : 1));
+    PyObject *reward_texts = PyList_New(n);
+    PyObject *out = NULL;
+    int general = 0;
+    Py_ssize_t total = id_size + 3 * n;
+    if (texts == NULL || sizes == NULL || reward_texts == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n && !general; i++) {
+        PyObject *reward = reward_text(PyList_GET_ITEM(rewards, i));
+        if (reward == NULL)
+            goto done;
+        PyList_SET_ITEM(reward_texts, i, reward);
+        PyObject *step[3] = {PyList_GET_ITEM(actions, i), PyList_GET_ITEM(observations, i), reward};
+        for (int k = 0; k < 3; k++) {
+            texts[3 * i + k] = PyUnicode_AsUTF8AndSize(step[k], &sizes[3 * i + k]);
+            if (texts[3 * i + k] == NULL) {
+                if (!PyErr_ExceptionMatches(PyExc_UnicodeEncodeError))
+                    goto done;
+                PyErr_Clear();
+                general = 1;
+                break;
+            }
+            total += sizes[3 * i + k];
+        }
+    }
+    if (general) {
+        out = digest_bytes_general(episode_id, actions, observations, rewards);
+        goto done;
+    }
+    if ((out = PyBytes_FromStringAndSize(NULL, total)) == NULL)
+        goto done;
+    char *at = PyBytes_AS_STRING(out);
+    memcpy(at, id_utf8, id_size);
+    at += id_size;
+    static const char separators[3] = {'\x00', '\x01', '\x02'};
+    for (Py_ssize_t i = 0; i < 3 * n; i++) {
+        *at++ = separators[i % 3];
+        memcpy(at, texts[i], sizes[i]);
+        at += sizes[i];
+    }
+done:
+    PyMem_Free(texts);
+    PyMem_Free(sizes);
+    Py_XDECREF(reward_texts);
     return out;
 }
 
