@@ -359,7 +359,10 @@ def finetune_command(
         [], "--safety", help="deny:TOOL,.. | regex:PATTERN | callable:mod:fn (join with ';' or repeat)"
     ),
     seed: int = typer.Option(0, "--seed", help="seed of sampling, minibatches and environments"),
-    learning_rate: float = typer.Option(1e-5, "--learning-rate", help="Adam learning rate"),
+    learning_rate: float = typer.Option(1e-5, "--learning-rate", help="Adam learning rate of the policy"),
+    value_learning_rate: float | None = typer.Option(
+        None, "--value-learning-rate", help="Adam learning rate of the value head [default: PPOConfig's]"
+    ),
     checkpoint_every: int = typer.Option(
         5, "--checkpoint-every", help="resumable checkpoint (and env reset) every N iterations"
     ),
@@ -379,6 +382,7 @@ def finetune_command(
         kl_horizon=kl_horizon,
         learning_rate=learning_rate, vector=vector, device=device, from_scratch=from_scratch,
         checkpoint_every=checkpoint_every,
+        **({} if value_learning_rate is None else {"value_learning_rate": value_learning_rate}),
     )
     result = finetune(
         run, env, out, config, safety=safety, resume=resume, overwrite=overwrite, encoder=encoder,

@@ -103,6 +103,7 @@ def test_adaptive_controller_keeps_moving_while_kl_stays_off_target_and_fixed_be
         ({"max_update_kl": 0.0}, "max_update_kl must be > 0"),
         ({"checkpoint_every": 0}, "checkpoint-every must be >= 1"),
         ({"kl_horizon": 0}, "kl-horizon must be >= 1"),
+        ({"value_learning_rate": 0.0}, "value_learning_rate must be > 0"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_fix(settings, message):
@@ -165,6 +166,22 @@ def test_at_iteration_zero_the_policy_is_the_offline_policy(tiny_run):
         assert all(p.abs().sum() > 0 for p in trainer.model.value_mlp[-1].parameters())
         second = trainer.train_iteration()
         assert second["objective/kl"] > 0.0
+    finally:
+        trainer.close()
+
+
+def test_the_value_head_has_its_own_learning_rate_and_both_anneal(tiny_run):
+    assert PPOConfig(learning_rate=2e-5).value_learning_rate == 2e-5  # by default, the policy's
+    trainer = _trainer(tiny_run, learning_rate=1e-5, value_learning_rate=1e-3, anneal_lr=True, iterations=4)
+    try:
+        policy, value = trainer.optimizer.param_groups
+        assert {id(p) for p in policy["params"]} == {id(p) for p in trainer.model.policy_head.parameters()}
+        assert {id(p) for p in value["params"]} == {id(p) for p in trainer.model.value_mlp.parameters()}
+        n_params = len(list(trainer.model.parameters()))
+        assert len(policy["params"]) + len(value["params"]) == n_params  # nothing left out of the optimizer
+        trainer.iteration = 1
+        trainer.train_iteration()
+        assert policy["lr"] == pytest.approx(1e-5 * 0.75) and value["lr"] == pytest.approx(1e-3 * 0.75)
     finally:
         trainer.close()
 
