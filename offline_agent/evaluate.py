@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from offline_agent.envs.loading import task_text
 from offline_agent.errors import UserError
 from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter, add_blocked
 from offline_agent.simulate import episode_seed, wilson_interval
@@ -159,11 +160,6 @@ def summarize(
 # --- rollouts --------------------------------------------------------------------------------------
 
 
-def _task(env: Any, info: dict[str, Any], observation: dict[str, Any]) -> str:
-    # The same fallback chain `simulate` writes into the logs' "task" field, so states render alike.
-    return info.get("task") or getattr(env.unwrapped, "task", None) or observation["text"]
-
-
 @dataclass
 class _Playing:
     """An episode in progress in one environment slot: what its outcome needs so far."""
@@ -230,7 +226,7 @@ def rollout_policy(
         index = pending.pop()
         s = episode_seed(seed, index)
         observation, info = envs[slot].reset(seed=s)
-        playing = _Playing(index, s, observation, EpisodeHistory(_task(envs[slot], info, observation)))
+        playing = _Playing(index, s, observation, EpisodeHistory(task_text(info, envs[slot], observation)))
         add_blocked(playing.blocked, info.get("safety_blocked"))
         slots[slot] = playing
 

@@ -24,6 +24,7 @@ import gymnasium as gym
 import orjson
 
 from offline_agent.actions import TOOL_CALL, canonical_action, parse_action
+from offline_agent.envs.loading import task_text
 from offline_agent.envs.policies import PolicyFn
 from offline_agent.errors import UserError
 
@@ -126,7 +127,7 @@ def _run_episode(env: gym.Env, policy_fn: PolicyFn, episode_id: str, seed: int, 
     reset_policy = getattr(policy_fn, "reset", None)
     if reset_policy is not None:
         reset_policy()
-    task = info.get("task") or getattr(env.unwrapped, "task", None) or observation["text"]
+    task = task_text(info, env, observation)
     messages = [{"role": "system", "content": task}, {"role": "user", "content": observation["text"]}]
     total, steps, errors, repeats, recovered = 0.0, 0, 0, 0, 0
     previous, previous_failed = None, False

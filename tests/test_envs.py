@@ -11,6 +11,7 @@ from gymnasium.utils.env_checker import check_env
 from offline_agent.actions import canonical_action
 from offline_agent.envs import BUILTIN_ENVS, check_contract, make_env, make_policy
 from offline_agent.envs.base import EXPERT, HARMFUL, MALFORMED, call
+from offline_agent.envs.loading import task_text
 from offline_agent.errors import UserError
 from offline_agent.simulate import rollout
 
@@ -262,3 +263,18 @@ def test_llm_like_policy_repeats_failed_calls_and_sends_malformed_ones():
             repeats += result["is_error"] and same
     assert malformed > 5 and repeats > 0
     assert 0.1 < sum(r.success for r in results) / 30 < 1.0
+
+
+def test_the_task_comes_from_the_reset_info_then_the_env_then_the_first_observation():
+    class WithTask:
+        unwrapped = type("Env", (), {"task": "the env's task"})()
+
+    class WithoutTask:
+        unwrapped = object()
+
+    observation = {"text": "first observation", "candidates": []}
+    assert task_text({"task": "the info's task"}, WithTask(), observation) == "the info's task"
+    assert task_text({}, WithTask(), observation) == "the env's task"
+    assert task_text({"task": ""}, WithTask(), observation) == "the env's task"
+    assert task_text({"task": 3}, WithoutTask(), observation) == "first observation"  # not text: ignored
+    assert task_text(None, None, observation) == "first observation"

@@ -92,6 +92,16 @@ def _build(spec: str, build: Any) -> gym.Env:
         raise UserError(f"creating environment {spec!r} failed: {describe(exc)}") from None
 
 
+def task_text(info: dict[str, Any] | None, env: gym.Env | None, observation: dict[str, Any]) -> str:
+    """An episode's task, as the contract says: the reset info's `task`, else the environment's `task`
+    attribute, else (an environment that states neither) the first observation's text. Simulation,
+    evaluation and fine-tuning all take it from here, so that a state renders the same in each."""
+    for task in ((info or {}).get("task"), getattr(getattr(env, "unwrapped", None), "task", None)):
+        if isinstance(task, str) and task:
+            return task
+    return observation["text"]
+
+
 def check_contract(env: gym.Env, name: str | None = None, steps: int = 1) -> None:
     """Reset `env` (seed 0), take `steps` steps with the first candidate, and check the contract on the way.
 

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from offline_agent.actions import canonical_action
+from offline_agent.envs.loading import task_text
 from offline_agent.errors import UserError
 from offline_agent.online.kl import (
     AdaptiveKLController,
@@ -487,7 +488,7 @@ class PPOTrainer:
         if self.observations is None or self.iteration % c.checkpoint_every == 0:
             self.observations, reset_infos = self.envs.reset(self.env_seeds(self.iteration))
             for i, info in enumerate(reset_infos):
-                f.start(i, _task_of(info, self.observations[i]))
+                f.start(i, task_text(info, None, self.observations[i]))
                 add_blocked(blocked, (info or {}).get("safety_blocked"))
             self.running_return[:], self.running_length[:] = 0.0, 0
         observations, running_return, running_length = self.observations, self.running_return, self.running_length
@@ -516,7 +517,7 @@ class PPOTrainer:
                 episode_lengths.append(int(running_length[i]))
                 safety_truncated += step.infos[i].get("safety") == ALL_FORBIDDEN
                 running_return[i], running_length[i] = 0.0, 0
-                f.start(i, _task_of(step.reset_infos[i], step.observations[i]))
+                f.start(i, task_text(step.reset_infos[i], None, step.observations[i]))
                 add_blocked(blocked, (step.reset_infos[i] or {}).get("safety_blocked"))
             observations = step.observations
         self.observations = observations
@@ -583,7 +584,3 @@ class PPOTrainer:
                 n_updates += 1
         return {**{key: value / n_updates for key, value in sums.items()}, "policy/update_steps": float(n_updates)}
 
-
-def _task_of(info: dict[str, Any] | None, observation: dict[str, Any]) -> str:
-    # The fallback chain of `simulate` and `evaluate`, so that states render as in the logs and evaluation.
-    return (info or {}).get("task") or observation["text"]
