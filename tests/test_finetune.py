@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -154,6 +155,8 @@ def _invoke(*args: str):
         (["--target-kl", "0.05", "--beta", "0.1"], "exclude each other"),
         (["--safety", "forbid:everything"], "unknown safety rule"),
         (["--num-envs", "0"], "num-envs must be >= 1"),
+        (["--torch-threads", "0"], "torch-threads must be >= 1"),
+        (["--value-learning-rate", "0"], "value_learning_rate must be > 0"),
     ],
 )
 def test_bad_flags_are_one_line_errors(tiny, tmp_path, extra, message):
@@ -188,3 +191,11 @@ def test_a_checkpoint_from_another_encoder_is_a_one_line_error(tiny, tmp_path):
 def test_out_must_not_be_the_checkpoint_itself(tiny):
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tiny["run"]))
     assert result.exit_code == 2 and "is the checkpoint being fine-tuned" in result.output
+
+
+def test_the_command_line_passes_threads_and_the_value_learning_rate_on(tiny, tmp_path):
+    result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "ft"), *FAST, "--iterations", "1",
+                     "--torch-threads", "2", "--value-learning-rate", "1e-3")
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "ft" / "policy.json").read_text())["config"]
+    assert config["torch_threads"] == 2 and config["value_learning_rate"] == 1e-3 and config["learning_rate"] == 3e-3
