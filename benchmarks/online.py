@@ -146,7 +146,8 @@ def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
 
 
 def throughput(run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
-    """Rollout env steps/s (policy + encoder included) and the bare vector env's, for 1, 2, 4 envs."""
+    """Rollout env steps/s (policy + encoder included) and the bare vector env's, for 1, 2, 4 envs, with one
+    torch thread and with `threads`."""
     import random
 
     import torch
@@ -157,31 +158,32 @@ def throughput(run: Path, env: str, steps: int, threads: int) -> list[list[objec
     from offline_agent.online.vector import make_vector_env
 
     rows = []
-    for mode in ("sync", "process"):
-        for n in (1, 2, 4):
-            if mode == "process" and n == 1:
-                continue
-            with deterministic_torch(threads):
-                config = PPOConfig(num_envs=n, num_steps=max(1, steps // n), vector=mode, torch_threads=threads)
-                trainer = PPOTrainer(Policy.load(run), env, config)
-                try:
-                    start = time.perf_counter()
-                    with torch.no_grad():
-                        trainer.collect_rollout(beta=0.1)
-                    rollout = config.batch_size / (time.perf_counter() - start)
-                finally:
-                    trainer.close()
-            envs = make_vector_env(env, n, mode=mode)
-            rng = random.Random(0)
-            observations, _ = envs.reset(list(range(n)))
-            start, bare_steps = time.perf_counter(), 0
-            while time.perf_counter() - start < 1.0:
-                step = envs.step([rng.randrange(len(o["candidates"])) for o in observations])
-                observations, bare_steps = step.observations, bare_steps + n
-            bare = bare_steps / (time.perf_counter() - start)
-            envs.close()
-            rows.append([n, mode, f"{rollout:.1f}", f"{bare:,.0f}"])
-            print(f"throughput {n} envs {mode}: rollout {rollout:.1f}/s, bare envs {bare:,.0f}/s", flush=True)
+    settings = [(mode, n, t) for t in sorted({1, threads}) for mode in ("sync", "process") for n in (1, 2, 4)]
+    for mode, n, t in settings:
+        if mode == "process" and n == 1:
+            continue
+        with deterministic_torch(t):
+            config = PPOConfig(num_envs=n, num_steps=max(1, steps // n), vector=mode, torch_threads=t)
+            trainer = PPOTrainer(Policy.load(run), env, config)
+            try:
+                start = time.perf_counter()
+                with torch.no_grad():
+                    trainer.collect_rollout(beta=0.1)
+                rollout = config.batch_size / (time.perf_counter() - start)
+            finally:
+                trainer.close()
+        envs = make_vector_env(env, n, mode=mode)
+        rng = random.Random(0)
+        observations, _ = envs.reset(list(range(n)))
+        start, bare_steps = time.perf_counter(), 0
+        while time.perf_counter() - start < 1.0:
+            step = envs.step([rng.randrange(len(o["candidates"])) for o in observations])
+            observations, bare_steps = step.observations, bare_steps + n
+        bare = bare_steps / (time.perf_counter() - start)
+        envs.close()
+        rows.append([n, mode, t, f"{rollout:.1f}", f"{bare:,.0f}"])
+        print(f"throughput {n} envs {mode} {t} thread(s): rollout {rollout:.1f}/s, bare envs {bare:,.0f}/s",
+              flush=True)
     return rows
 
 
@@ -201,7 +203,7 @@ def main() -> None:
     parser.add_argument("--value-init", default="zero", choices=["critic", "zero"])
     parser.add_argument("--episodes", type=int, default=30, help="evaluation episodes per policy")
     parser.add_argument("--throughput-steps", type=int, default=64, help="rollout steps timed per setting")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (this machine has 2 cores)")
     parser.add_argument("--no-write", action="store_true", help="print the tables only")
     parser.add_argument(
         "--tables-only", action="store_true", help="rebuild the tables from the cached runs and evaluations"
@@ -248,11 +250,11 @@ def main() -> None:
         f"lr {args.scratch_learning_rate}. Offline stage: CQL ({', '.join(f'{k} {v}' for k, v in cql_steps.items())} "
         "gradient steps) on the bundled 100-episode "
         f"noisy:0.5 logs. Encoder: packaged all-MiniLM-L6-v2, {args.threads} torch thread(s). "
-        f"Whole run: {minutes:.1f} min. At ~15 env steps/s (MiniLM encodes every new state text on CPU) the "
-        "default budget gives each run ~1k env steps, a few dozen episodes: it exercises the machinery and shows "
-        "where each policy starts, not what PPO reaches; `--iterations 100 --num-steps 128` (about an hour per run "
-        "on 2 cores) is the real comparison.\n\n"
-        + markdown_table(["envs", "vector", "rollout env steps/s", "bare env steps/s"], speed)
+        f"Whole run: {minutes:.1f} min. At the rollout rates below (MiniLM encodes every new state text on CPU) "
+        "the default budget gives each run ~1k env steps, a few dozen episodes: it exercises the machinery and "
+        "shows where each policy starts, not what PPO reaches; `--iterations 100 --num-steps 128` (about half an "
+        "hour per run on 2 cores) is the real comparison.\n\n"
+        + markdown_table(["envs", "vector", "torch threads", "rollout env steps/s", "bare env steps/s"], speed)
         + f"\n\nRollout throughput on {SIMS[args.sims[0]]} with the CQL policy ({args.throughput_steps} steps per "
         "setting, a cold text-embedding memo: every new state text is one MiniLM call); bare = the vector env "
         "alone with random actions for 1 s."
