@@ -128,6 +128,40 @@ def test_the_first_layer_of_a_q_head_is_a_linear_map_of_the_concatenation():
     assert torch.allclose(head(s, a), expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("adapters", [False, True])
+def test_scoring_candidates_by_id_gives_the_values_of_scoring_their_embeddings(adapters):
+    torch.manual_seed(0)
+    net = QNetwork(dim=6, hidden=8, n_heads=2, state_adapter=adapters, action_adapter=adapters)
+    for p in net.parameters():  # adapters start as the identity: give them something to do
+        torch.nn.init.normal_(p, std=0.3)
+    s, table = torch.randn(4, 6), torch.randn(5, 6)
+    ids = torch.tensor([[0, 3, 3], [4, 4, 4], [1, 0, 2], [2, 2, 0]])
+    by_id, by_embedding = net.all_heads_by_id(s, table, ids), net.all_heads(s, table[ids])
+    assert by_id.shape == (2, 4, 3)
+    torch.testing.assert_close(by_id, by_embedding, atol=1e-5, rtol=1e-5)
+    # ... and the gradients agree too
+    grads = []
+    for values in (net.all_heads_by_id(s, table, ids), net.all_heads(s, table[ids])):
+        net.zero_grad()
+        values.square().sum().backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_the_loss_is_the_same_whether_candidates_come_as_ids_or_as_embeddings():
+    f = learn_data.color_lock_features()
+    torch.manual_seed(0)
+    net, target = QNetwork(f.dim, 16), QNetwork(f.dim, 16)
+    batch = make_batch(f, torch.arange(64), torch.Generator().manual_seed(0))
+    assert batch.action_table is not None  # batches of a dataset carry their action table
+    config = CQLConfig(gamma=0.9, alpha=0.5)
+    as_ids = cql_loss(net, target, batch, config)
+    as_embeddings = cql_loss(net, target, dataclasses.replace(batch, action_table=None), config)
+    for name in ("td", "cql", "q_data_mean", "q_ood_gap", "q_target_mean"):
+        assert getattr(as_ids, name) == pytest.approx(getattr(as_embeddings, name), abs=1e-5), name
+
+
 def test_q_values_are_the_min_over_heads_and_minus_infinity_in_masked_slots():
     torch.manual_seed(0)
     net = QNetwork(dim=6, hidden=8, n_heads=2)

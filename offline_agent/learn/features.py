@@ -232,6 +232,10 @@ class Batch:
     next_cand: torch.Tensor  # (B, C', D) next step's candidates and its logged action
     next_mask: torch.Tensor  # (B, C') bool
     return_to_go: torch.Tensor  # (B,) float32
+    # Where the candidates are rows of the dataset's action table (every batch `make_batch` draws), the
+    # table and the next step's ids, so that a network can score each distinct action once.
+    action_table: torch.Tensor | None = None  # (V, D)
+    next_cand_ids: torch.Tensor | None = None  # (B, C') int64, 0 where empty
 
     def __post_init__(self) -> None:
         b = self.state.shape[0]
@@ -241,7 +245,11 @@ class Batch:
         assert self.cand_mask.dtype == torch.bool and self.next_mask.dtype == torch.bool
 
     def to(self, device: str | torch.device) -> Batch:
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return Batch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
+
+
+def _to(tensor: torch.Tensor | None, device: str | torch.device) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(device)
 
 
 def candidate_sets(
@@ -305,6 +313,8 @@ def make_batch(
         next_cand=emb[next_ids.clamp(min=0)],  # (B, C'+1) -> (B, C'+1, D)
         next_mask=next_mask,
         return_to_go=(features.return_to_go if return_to_go is None else return_to_go)[rows],
+        action_table=emb,
+        next_cand_ids=next_ids.clamp(min=0),
     )
 
 
