@@ -199,3 +199,31 @@ def test_the_command_line_passes_threads_and_the_value_learning_rate_on(tiny, tm
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "ft" / "policy.json").read_text())["config"]
     assert config["torch_threads"] == 2 and config["value_learning_rate"] == 1e-3 and config["learning_rate"] == 3e-3
+
+
+def test_a_checkpoint_from_before_the_value_learning_rate_resumes_as_it_would_have(tiny, tmp_path):
+    """Written by the previous version: no value_learning_rate in its settings, one optimizer group."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    def run(out, iterations, resume=False):
+        config = PPOConfig(iterations=iterations, num_envs=2, num_steps=16, vector="sync", beta=0.01,
+                           checkpoint_every=1)
+        return finetune(tiny["run"], WIDGET, out, config, resume=resume)
+
+    run(tmp_path / "whole", 3)
+    run(tmp_path / "old", 2)
+    state_file = tmp_path / "old" / STATE_FILE
+    with safe_open(str(state_file), framework="pt") as handle:
+        state = json.loads(handle.metadata()["state"])
+    tensors = load_file(str(state_file))
+    del state["config"]["value_learning_rate"]
+    groups = state["optimizer_param_groups"]
+    state["optimizer_param_groups"] = [{**groups[0], "params": [p for g in groups for p in g["params"]]}]
+    save_file(tensors, str(state_file), metadata={"state": json.dumps(state)})
+
+    result = run(tmp_path / "old", 3, resume=True)
+    assert result.resumed_from == 2
+    a, b = load_file(str(tmp_path / "whole" / STATE_FILE)), load_file(str(state_file))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -251,7 +251,8 @@ def load_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> int
         if key.startswith("optimizer/"):
             _, pid, slot = key.split("/", 2)
             optimizer_state.setdefault(int(pid), {})[slot] = value
-    trainer.optimizer.load_state_dict({"state": optimizer_state, "param_groups": state["optimizer_param_groups"]})
+    groups = _optimizer_groups(state["optimizer_param_groups"], trainer.optimizer.param_groups)
+    trainer.optimizer.load_state_dict({"state": optimizer_state, "param_groups": groups})
     torch.set_rng_state(tensors["rng/torch"])
     trainer.generator.set_state(tensors["rng/generator"])
     np_kind, np_pos, np_has_gauss, np_gauss = state["rng_numpy"]
@@ -279,13 +280,32 @@ def _check_same_run(path: Path, saved: dict[str, Any], identity: dict[str, Any])
                 f"--resume: {flag} differs from the interrupted run's ({saved[shown]!r}, now {identity[shown]!r}, "
                 "or its weights changed): resume with the same arguments or start a new --out"
             )
-    changed = sorted(
-        k for k, v in identity["config"].items() if k not in RESUMABLE_CHANGES and saved["config"].get(k) != v
-    )
+    was = _implied_config(saved["config"])
+    changed = sorted(k for k, v in identity["config"].items() if k not in RESUMABLE_CHANGES and was.get(k) != v)
     if changed:
-        was = ", ".join(f"{k}={saved['config'].get(k)!r}" for k in changed)
+        was = ", ".join(f"{k}={was.get(k)!r}" for k in changed)
         now = ", ".join(f"{k}={identity['config'][k]!r}" for k in changed)
         raise UserError(f"--resume with other settings than the interrupted run ({was}; now {now}): use the same ones")
+
+
+def _implied_config(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's settings as this version reads them: a setting added since it was written takes the
+    value its settings imply (`value_learning_rate`, for one, was the policy's learning rate)."""
+    known = {f.name for f in fields(PPOConfig)}
+    return asdict(PPOConfig(**{k: v for k, v in saved.items() if k in known}))
+
+
+def _optimizer_groups(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The saved optimizer's parameter groups, split as the current optimizer groups its parameters: a
+    checkpoint written before the value head had its own learning rate has one group holding all of them,
+    in the same order (policy head, then value head), at one learning rate."""
+    if len(saved) != 1 or len(current) == 1:
+        return saved
+    ids, groups, start = saved[0]["params"], [], 0
+    for group in current:
+        groups.append({**saved[0], "params": ids[start : start + len(group["params"])]})
+        start += len(group["params"])
+    return groups
 
 
 def _read_json(path: Path) -> dict[str, Any]:
