@@ -111,7 +111,28 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
         out[name] = {"metrics": metrics, "seconds": seconds, "eval": evaluate_run(folder, env, args.episodes)}
         print(f"[{sim}] {name}: {seconds:.0f} s, training success by iteration "
               f"{[round(x, 2) for x in metrics['charts/success_rate'].to_list()]}", flush=True)
+        if name == "finetune":
+            out["early"] = early_evals(sim, env, run, cache, args, PPOConfig, {**common, **settings})
     return out
+
+
+def early_evals(sim: str, env: str, run: Path, cache: Path, args: argparse.Namespace, config_type, settings: dict
+                ) -> dict[int, tuple[int, int]]:
+    """The greedy policy's evaluation after each of `--dip-iterations` iterations of the fine-tuning run.
+
+    A run is deterministic and nothing in it depends on its total length, so the policy after k of its
+    iterations is the final policy of the same run cut at k: each is trained anew and evaluated like the
+    offline policy (the sampled training episodes, 3-9 an iteration, are too few to see a 10-point dip).
+    """
+    from offline_agent.online.finetune import finetune
+
+    evals = {}
+    for k in args.dip_iterations:
+        folder = cache / sim / f"finetune-{k}"
+        finetune(run, env, folder, config_type(**{**settings, "iterations": k}), overwrite=True)
+        evals[k] = evaluate_run(folder, env, args.episodes)
+        print(f"[{sim}] after {k} iteration(s): {rate(*evals[k])}", flush=True)
+    return evals
 
 
 def cached_runs(folder: Path) -> tuple[tuple[int, int], dict]:
@@ -123,15 +144,15 @@ def cached_runs(folder: Path) -> tuple[tuple[int, int], dict]:
         name: {"metrics": pl.read_parquet(folder / name / "metrics.parquet"), "eval": tuple(evals[name])}
         for name in ("finetune", "scratch")
     }
+    runs["early"] = {int(k): tuple(v) for k, v in evals.get("early", {}).items()}
     return tuple(evals["offline"]), runs
 
 
 def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
     ft, scratch = runs["finetune"]["metrics"], runs["scratch"]["metrics"]
-    rates = ft["charts/success_rate"].fill_nan(None).to_list()
-    start = rates[0]
-    early = [r for r in rates[1 : max(2, len(rates) // 2 + 1)] if r is not None]
-    dip = start is not None and early and min(early) < start - 0.10
+    start = offline[0] / offline[1]
+    early = {k: s / n for k, (s, n) in runs.get("early", {}).items()}
+    worst = min(early, key=early.get) if early else None
     return [
         sim,
         rate(*offline),
@@ -141,7 +162,8 @@ def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
         first_reaching(ft),
         first_reaching(scratch),
         f"{ft['objective/kl'].mean():.4f}",
-        f"{start:.2f} -> min {min(early):.2f}: {'yes' if dip else 'no'}" if early and start is not None else "-",
+        f"{start:.2f} -> {early[worst]:.2f} after {worst}: {'yes' if early[worst] < start - 0.10 else 'no'}"
+        if early else "-",
     ]
 
 
@@ -202,6 +224,8 @@ def main() -> None:
     parser.add_argument("--scratch-learning-rate", type=float, default=3e-4, help="PPO-from-scratch learning rate")
     parser.add_argument("--value-init", default="zero", choices=["critic", "zero"])
     parser.add_argument("--episodes", type=int, default=30, help="evaluation episodes per policy")
+    parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
+                        help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
     parser.add_argument("--throughput-steps", type=int, default=64, help="rollout steps timed per setting")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (this machine has 2 cores)")
     parser.add_argument("--no-write", action="store_true", help="print the tables only")
@@ -222,7 +246,8 @@ def main() -> None:
         offline = evaluate_run(run, env, args.episodes)
         print(f"[{sim}] offline CQL: {rate(*offline)}", flush=True)
         runs = online_runs(sim, env, run, cache, args)
-        evals = {"offline": offline, **{name: r["eval"] for name, r in runs.items()}}
+        evals = {"offline": offline, **{name: runs[name]["eval"] for name in ("finetune", "scratch")},
+                 "early": runs["early"]}
         (cache / sim / "evals.json").write_text(json.dumps(evals) + "\n")
         quality.append(quality_row(sim, offline, runs))
     header = [
@@ -242,8 +267,9 @@ def main() -> None:
         markdown_table(header, quality)
         + f"\n\nSuccess rate (95% Wilson interval) of the greedy policy over {args.episodes} evaluation episodes "
         f"(seeds from {EVAL_SEED}); steps to 95%: the first iteration whose sampled training episodes, pooled "
-        "with the previous iteration's (10+ episodes), succeed 95% of the time; early dip: the first rollout "
-        "(the offline policy, sampled) against the worst of the first half of the iterations. Fine-tuning: "
+        "with the previous iteration's (10+ episodes), succeed 95% of the time; early dip: the offline greedy "
+        f"policy against the worst of the fine-tuned greedy policies after {', '.join(map(str, args.dip_iterations))} "
+        "iteration(s), each evaluated like it (a run cut at k iterations is the same run's first k). Fine-tuning: "
         f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, target KL "
         f"{args.target_kl} (horizon {args.kl_horizon} env steps), lr {args.learning_rate}, "
         f"value head {args.value_init}; scratch: same steps, beta 0, "

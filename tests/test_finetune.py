@@ -227,3 +227,13 @@ def test_a_checkpoint_from_before_the_value_learning_rate_resumes_as_it_would_ha
     a, b = load_file(str(tmp_path / "whole" / STATE_FILE)), load_file(str(state_file))
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_a_run_cut_at_k_iterations_is_the_longer_runs_first_k(tiny, tmp_path):
+    # benchmarks/online.py evaluates the policy after k iterations as the final policy of a k-iteration run.
+    def run(out, iterations):
+        config = PPOConfig(iterations=iterations, num_envs=2, num_steps=16, vector="sync", beta=0.01)
+        finetune(tiny["run"], WIDGET, out, config)
+        return pl.read_parquet(out / "metrics.parquet").select([c for c in METRICS if not c.startswith("time/")])
+
+    assert run(tmp_path / "short", 2).equals(run(tmp_path / "long", 3).head(2))
