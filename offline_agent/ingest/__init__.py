@@ -173,9 +173,9 @@ def ingest(
             "steps": (previous.meta["counts"]["steps"] if previous else 0) + writer.n_steps,
             "quarantined": (previous.meta["counts"]["quarantined"] if previous else 0) + len(quarantined),
         }
-        meta["fingerprint"] = combine_digests({**known_digests, **writer.digests})
-        meta["episode_digests_file"] = "digests.parquet"
         digests = {**known_digests, **writer.digests}
+        meta["fingerprint"] = combine_digests(digests)
+        meta["episode_digests_file"] = "digests.parquet"
         columns = [string_array(list(digests)), string_array(list(digests.values()))]
         pq.write_table(pa.Table.from_arrays(columns, names=["episode_id", "digest"]), tmp / "digests.parquet")
         write_meta(tmp, meta)

@@ -280,10 +280,12 @@ def _check_same_run(path: Path, saved: dict[str, Any], identity: dict[str, Any])
                 f"--resume: {flag} differs from the interrupted run's ({saved[shown]!r}, now {identity[shown]!r}, "
                 "or its weights changed): resume with the same arguments or start a new --out"
             )
-    was = _implied_config(saved["config"])
-    changed = sorted(k for k, v in identity["config"].items() if k not in RESUMABLE_CHANGES and was.get(k) != v)
+    saved_config = _implied_config(saved["config"])
+    changed = sorted(
+        k for k, v in identity["config"].items() if k not in RESUMABLE_CHANGES and saved_config.get(k) != v
+    )
     if changed:
-        was = ", ".join(f"{k}={was.get(k)!r}" for k in changed)
+        was = ", ".join(f"{k}={saved_config.get(k)!r}" for k in changed)
         now = ", ".join(f"{k}={identity['config'][k]!r}" for k in changed)
         raise UserError(f"--resume with other settings than the interrupted run ({was}; now {now}): use the same ones")
 
