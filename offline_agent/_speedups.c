@@ -23,7 +23,7 @@ static PyObject *kind_tool_call;   /* actions.TOOL_CALL */
 static PyObject *kind_message;     /* actions.MESSAGE */
 static PyObject *newline;          /* "\n" */
 static PyObject *call_prefix;      /* '{"name":', how a message that parse_action may read as a call starts */
-static PyObject *sep_action, *sep_observation, *sep_reward, *zero_text, *empty_text, *reward_format;
+static PyObject *zero_text, *reward_format;
 static PyObject *k_assistant_text;
 
 /* "\n".join(filter(None, pending)); most observations are one text, returned as it is (as join does). */
@@ -353,51 +353,10 @@ reward_text(PyObject *reward)
     return PyObject_Format(reward, reward_format);
 }
 
-/* digest_bytes through one str and its encoding: the general case (texts with lone surrogates). */
-static PyObject *
-digest_bytes_general(PyObject *episode_id, PyObject *actions, PyObject *observations, PyObject *rewards)
-{
-    Py_ssize_t n = PyList_GET_SIZE(actions);
-    PyObject *pieces = PyList_New(6 * n);
-    if (pieces == NULL)
-        return NULL;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *text = reward_text(PyList_GET_ITEM(rewards, i));
-        if (text == NULL) {
-            Py_DECREF(pieces);
-            return NULL;
-        }
-        PyList_SET_ITEM(pieces, 6 * i, Py_NewRef(sep_action));
-        PyList_SET_ITEM(pieces, 6 * i + 1, Py_NewRef(PyList_GET_ITEM(actions, i)));
-        PyList_SET_ITEM(pieces, 6 * i + 2, Py_NewRef(sep_observation));
-        PyList_SET_ITEM(pieces, 6 * i + 3, Py_NewRef(PyList_GET_ITEM(observations, i)));
-        PyList_SET_ITEM(pieces, 6 * i + 4, Py_NewRef(sep_reward));
-        PyList_SET_ITEM(pieces, 6 * i + 5, text);
-    }
-    PyObject *body = PyUnicode_Join(empty_text, pieces);
-    Py_DECREF(pieces);
-    if (body == NULL)
-        return NULL;
-    PyObject *head = PyUnicode_AsUTF8String(episode_id);
-    PyObject *tail = PyUnicode_AsEncodedString(body, "utf-8", "surrogatepass");
-    Py_DECREF(body);
-    PyObject *out = NULL;
-    if (head != NULL && tail != NULL) {
-        Py_ssize_t n_head = PyBytes_GET_SIZE(head), n_tail = PyBytes_GET_SIZE(tail);
-        if ((out = PyBytes_FromStringAndSize(NULL, n_head + n_tail)) != NULL) {
-            memcpy(PyBytes_AS_STRING(out), PyBytes_AS_STRING(head), n_head);
-            memcpy(PyBytes_AS_STRING(out) + n_head, PyBytes_AS_STRING(tail), n_tail);
-        }
-    }
-    Py_XDECREF(head);
-    Py_XDECREF(tail);
-    return out;
-}
-
 /* The bytes `dataset.episode_digest` hashes: episode_id.encode() + body.encode(errors="surrogatepass"), body
  * = "".join(map("\x00{}\x01{}\x02{:.6g}".format, actions, observations, rewards)). Built by copying each
- * text's UTF-8 (which a str keeps, or computes once) straight into the result; a text with a lone
- * surrogate has no UTF-8 of its own, and the episode takes the general path. */
+ * text's UTF-8 (which a str keeps, or computes once) straight into the result. A text with a lone
+ * surrogate has no UTF-8 of its own: then None, and the caller takes `dataset._digest_bytes_python`. */
 static PyObject *
 digest_bytes(PyObject *module, PyObject *args)
 {
@@ -449,7 +408,7 @@ digest_bytes(PyObject *module, PyObject *args)
         }
     }
     if (general) {
-        out = digest_bytes_general(episode_id, actions, observations, rewards);
+        out = Py_NewRef(Py_None);
         goto done;
     }
     if ((out = PyBytes_FromStringAndSize(NULL, total)) == NULL)
@@ -543,7 +502,7 @@ extend_columns(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyMethodDef methods[] = {
-    {"digest_bytes", digest_bytes, METH_VARARGS, "the bytes episode_digest hashes"},
+    {"digest_bytes", digest_bytes, METH_VARARGS, "the bytes episode_digest hashes, or None (lone surrogates)"},
     {"extend_columns", (PyCFunction)(void (*)(void))extend_columns, METH_FASTCALL,
      "one columnar episode's step columns appended to a row group's lists"},
     {"walk", walk, METH_VARARGS, "walk(messages, calls) -> columns tuple, or None when the record is not plain"},
@@ -562,9 +521,7 @@ PyInit__speedups(void)
             return NULL;
     if (!(newline = PyUnicode_InternFromString("\n")) ||
         !(call_prefix = PyUnicode_InternFromString("{\"name\":")) ||
-        !(sep_action = PyUnicode_FromStringAndSize("\x00", 1)) || !(sep_observation = PyUnicode_FromString("\x01")) ||
-        !(sep_reward = PyUnicode_FromString("\x02")) || !(zero_text = PyUnicode_FromString("0")) ||
-        !(empty_text = PyUnicode_FromString("")) || !(reward_format = PyUnicode_FromString(".6g")) ||
+        !(zero_text = PyUnicode_FromString("0")) || !(reward_format = PyUnicode_FromString(".6g")) ||
         !(k_assistant_text = PyUnicode_InternFromString("assistant_text")))
         return NULL;
     return PyModule_Create(&module_def);

@@ -82,9 +82,15 @@ def _digest_bytes_python(episode_id: str, actions: list[str], observations: list
 
 
 try:  # the same bytes built in C, where the compiled module was built (see setup.py)
-    from offline_agent._speedups import digest_bytes as _digest_bytes
+    from offline_agent._speedups import digest_bytes as _digest_bytes_compiled
 except ImportError:
     _digest_bytes = _digest_bytes_python
+else:
+
+    def _digest_bytes(episode_id: str, actions: list[str], observations: list[str], rewards: list[float]) -> bytes:
+        # The compiled copy answers None for texts with lone surrogates, which only Python's encoder handles.
+        data = _digest_bytes_compiled(episode_id, actions, observations, rewards)
+        return _digest_bytes_python(episode_id, actions, observations, rewards) if data is None else data
 
 
 def combine_digests(digests: dict[str, str]) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from offline_agent.dataset import _digest_bytes_python
+from offline_agent.dataset import _digest_bytes, _digest_bytes_python
 from offline_agent.ingest import openai_chat
 from offline_agent.ingest.writer import _extend_columns_python, _json
 from tests.test_ingest_fast import _records
@@ -128,11 +128,17 @@ def test_the_walk_checks_its_arguments():
      [-1e300, 5e-324, 7]],
 )
 def test_the_compiled_digest_bytes_equal_the_python_ones(rewards):
-    actions = ["a", '{"name":"t","arguments":{}}', "é \ud800"]
+    actions = ["a", '{"name":"t","arguments":{}}', "é ü"]
     observations = ["", "obs\x00with nul", "\U0001f600"]
     for episode_id in ("e", "é-1", ""):
         expected = _digest_bytes_python(episode_id, actions, observations, rewards)
         assert speedups.digest_bytes(episode_id, actions, observations, rewards) == expected
+        assert _digest_bytes(episode_id, actions, observations, rewards) == expected
+        # A lone surrogate has no UTF-8 of its own: the compiled copy says so, and Python's encoder takes over.
+        with_surrogate = [*actions[:2], "é \ud800"]
+        assert speedups.digest_bytes(episode_id, with_surrogate, observations, rewards) is None
+        expected = _digest_bytes_python(episode_id, with_surrogate, observations, rewards)
+        assert _digest_bytes(episode_id, with_surrogate, observations, rewards) == expected
 
 
 def test_the_compiled_digest_bytes_reject_what_python_would_not_hash():
