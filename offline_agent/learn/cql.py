@@ -172,26 +172,15 @@ class CQLLoss:
 
 def cql_loss(q_net: QNetwork, target_net: QNetwork, batch: Batch, config: CQLConfig) -> CQLLoss:
     """TD (both heads) + alpha * conservative penalty (both heads) on one batch."""
-    by_id = batch.action_table is not None and batch.next_cand_ids is not None
-    if by_id:  # the same values, each distinct action's block computed once (QNetwork.all_heads_by_id)
-        ids = torch.cat([batch.action_id[:, None], batch.cand_ids.clamp(min=0)], 1)  # (B, 1 + C)
-        q = q_net.all_heads_by_id(batch.state, batch.action_table, ids)  # (K, B, 1 + C)
-    else:
-        cand_all = torch.cat([batch.action[:, None, :], batch.cand], 1)  # (B, D), (B, C, D) -> (B, 1 + C, D)
-        q = q_net.all_heads(batch.state, cand_all)  # (K, B, 1 + C)
+    # Candidates as ids into the action table: each distinct action's block is computed once.
+    ids = torch.cat([batch.action_id[:, None], batch.cand_ids.clamp(min=0)], 1)  # (B, 1 + C)
+    q = q_net.all_heads_by_id(batch.state, batch.action_table, ids)  # (K, B, 1 + C)
     q_data, q_cand = q[:, :, 0], q[:, :, 1:]  # (K, B), (K, B, C)
     with torch.no_grad():
-        rows = torch.arange(batch.state.shape[0])
-        if by_id:
-            q_next_online = q_net.all_heads_by_id(batch.next_state, batch.action_table, batch.next_cand_ids)
-            a_star = double_q_action(q_next_online.min(0).values, batch.next_mask)  # (B,)
-            next_id = batch.next_cand_ids[rows, a_star][:, None]  # (B, 1)
-            v_next = target_net.all_heads_by_id(batch.next_state, batch.action_table, next_id).min(0).values[:, 0]
-        else:
-            q_next_online = q_net.all_heads(batch.next_state, batch.next_cand).min(0).values  # (B, C')
-            a_star = double_q_action(q_next_online, batch.next_mask)  # (B,)
-            next_action = batch.next_cand[rows, a_star][:, None, :]  # (B, C', D) -> (B, 1, D)
-            v_next = target_net.all_heads(batch.next_state, next_action).min(0).values[:, 0]  # (K, B, 1) -> (B,)
+        q_next = q_net.all_heads_by_id(batch.next_state, batch.action_table, batch.next_cand_ids)  # (K, B, C')
+        a_star = double_q_action(q_next.min(0).values, batch.next_mask)  # (B,)
+        next_id = batch.next_cand_ids[torch.arange(a_star.shape[0]), a_star][:, None]  # (B, C') -> (B, 1)
+        v_next = target_net.all_heads_by_id(batch.next_state, batch.action_table, next_id).min(0).values[:, 0]
         y = td_target(batch.reward, batch.done, config.gamma, v_next)
     td = (q_data - y[None, :]).pow(2).mean(1).sum()  # (K, B) -> (K,) -> ()
     floor = batch.return_to_go if config.cal_ql else None

@@ -229,27 +229,22 @@ class Batch:
     reward: torch.Tensor  # (B,) float32
     done: torch.Tensor  # (B,) float32: 1 where there is no next state to bootstrap from
     next_state: torch.Tensor  # (B, D)
-    next_cand: torch.Tensor  # (B, C', D) next step's candidates and its logged action
+    next_cand_ids: torch.Tensor  # (B, C') int64 next step's candidates and its logged action, 0 where empty
     next_mask: torch.Tensor  # (B, C') bool
     return_to_go: torch.Tensor  # (B,) float32
-    # Where the candidates are rows of the dataset's action table (every batch `make_batch` draws), the
-    # table and the next step's ids, so that a network can score each distinct action once.
-    action_table: torch.Tensor | None = None  # (V, D)
-    next_cand_ids: torch.Tensor | None = None  # (B, C') int64, 0 where empty
+    # The dataset's action embeddings, which every id above indexes: the next step's candidates are kept
+    # as ids, so that a network can score each distinct action once (`QNetwork.all_heads_by_id`).
+    action_table: torch.Tensor  # (V, D)
 
     def __post_init__(self) -> None:
         b = self.state.shape[0]
-        assert self.state.ndim == 2 and self.cand.ndim == 3 and self.next_cand.ndim == 3
-        assert self.cand.shape[:2] == self.cand_mask.shape and self.next_cand.shape[:2] == self.next_mask.shape
+        assert self.state.ndim == 2 and self.cand.ndim == 3 and self.action_table.ndim == 2
+        assert self.cand.shape[:2] == self.cand_mask.shape and self.next_cand_ids.shape == self.next_mask.shape
         assert all(t.shape[0] == b for t in (self.action, self.reward, self.done, self.return_to_go))
         assert self.cand_mask.dtype == torch.bool and self.next_mask.dtype == torch.bool
 
     def to(self, device: str | torch.device) -> Batch:
-        return Batch(**{f.name: _to(getattr(self, f.name), device) for f in fields(self)})
-
-
-def _to(tensor: torch.Tensor | None, device: str | torch.device) -> torch.Tensor | None:
-    return None if tensor is None else tensor.to(device)
+        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
 
 
 def candidate_sets(
@@ -310,11 +305,10 @@ def make_batch(
         # A truncated episode's last step has no logged next state: it is not bootstrapped either.
         done=(features.terminated[rows] | ~has_next).float(),
         next_state=features.state_emb[nxt],
-        next_cand=emb[next_ids.clamp(min=0)],  # (B, C'+1) -> (B, C'+1, D)
+        next_cand_ids=next_ids.clamp(min=0),  # (B, C'+1)
         next_mask=next_mask,
         return_to_go=(features.return_to_go if return_to_go is None else return_to_go)[rows],
         action_table=emb,
-        next_cand_ids=next_ids.clamp(min=0),
     )
 
 
