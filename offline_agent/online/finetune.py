@@ -290,11 +290,16 @@ def _check_same_run(path: Path, saved: dict[str, Any], identity: dict[str, Any])
         raise UserError(f"--resume with other settings than the interrupted run ({was}; now {now}): use the same ones")
 
 
+#: Settings added since the first checkpoints, and what a checkpoint without them did.
+_BEFORE_SETTING = {"policy_init": "copy", "kl_gradient": False}
+
+
 def _implied_config(saved: dict[str, Any]) -> dict[str, Any]:
     """A checkpoint's settings as this version reads them: a setting added since it was written takes the
-    value its settings imply (`value_learning_rate`, for one, was the policy's learning rate)."""
+    value its run had in effect (`value_learning_rate` was the policy's learning rate, the policy a trained
+    copy of the offline network, the KL penalty in the rewards only)."""
     known = {f.name for f in fields(PPOConfig)}
-    return asdict(PPOConfig(**{k: v for k, v in saved.items() if k in known}))
+    return asdict(PPOConfig(**{**_BEFORE_SETTING, **{k: v for k, v in saved.items() if k in known}}))
 
 
 def _optimizer_groups(saved: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[dict[str, Any]]:
