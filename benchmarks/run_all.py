@@ -26,6 +26,7 @@ BENCHMARKS = [
     ("state_aliasing", "state_aliasing.py", []),
     ("train_speed", "train_speed.py", []),
     ("offline_quality", "offline_quality.py", []),
+    ("imitation_ceiling", "imitation_ceiling.py", []),
     ("real_logs_auc", "real_logs_auc.py", []),
     ("online", "online.py", []),
 ]
