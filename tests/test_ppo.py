@@ -260,3 +260,25 @@ def test_the_kl_penalty_pulls_the_policy_back_only_through_its_own_gradient(tiny
             assert all(torch.equal(p, q) for p, q in zip(params, trainer.model.policy_head.parameters(), strict=True))
     finally:
         trainer.close()
+
+
+def test_a_residual_network_starts_as_its_base_trains_only_its_correction_and_rebuilds_from_its_config():
+    from offline_agent.learn.networks import QNetwork, ResidualQNetwork, build_network
+
+    torch.manual_seed(0)
+    base = QNetwork(dim=8, hidden=16)
+    state, cands = torch.randn(3, 8), torch.randn(3, 4, 8)
+    mask = torch.tensor([[True, True, True, False]] * 3)
+    # Fine-tuning a fine-tuned policy nests one residual in another: still the base at the start.
+    twice = ResidualQNetwork.around(ResidualQNetwork.around(base, hidden=16, scale=0.1), hidden=16, scale=0.1)
+    torch.testing.assert_close(twice.q_values(state, cands, mask), base.q_values(state, cands, mask), rtol=0, atol=0)
+    trainable = {n for n, p in twice.named_parameters() if p.requires_grad}
+    assert trainable and all(n.startswith("correction.") for n in trainable)
+    with torch.no_grad():
+        twice.correction.heads[0].mlp[-1].bias.fill_(1.0)  # the correction adds scale * 1 to every valid slot
+    q = twice.q_values(state, cands, mask)
+    torch.testing.assert_close(q[:, :3], base.q_values(state, cands, mask)[:, :3] + 0.1)
+    assert torch.isinf(q[:, 3]).all()
+    rebuilt = build_network(twice.config())
+    rebuilt.load_state_dict(twice.state_dict(), strict=True)
+    torch.testing.assert_close(rebuilt.q_values(state, cands, mask), q, rtol=0, atol=0)

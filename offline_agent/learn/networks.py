@@ -186,7 +186,8 @@ class ResidualQNetwork(nn.Module):
     def __init__(self, base: dict[str, Any], hidden: int = 128, scale: float = 1.0):
         super().__init__()
         self.base = build_network(base).requires_grad_(False)
-        self.correction = QNetwork(int(base["dim"]), hidden, n_heads=1)
+        self.dim = int(self.base.dim)  # a base may itself be residual (a fine-tuned policy fine-tuned again)
+        self.correction = QNetwork(self.dim, hidden, n_heads=1)
         last = self.correction.heads[0].mlp[-1]
         nn.init.zeros_(last.weight)
         nn.init.zeros_(last.bias)
