@@ -8,15 +8,16 @@ For each built-in simulator:
 2. evaluate the CQL policy (greedy, `--episodes` episodes, seeds from 1000,
    which no training rollout uses);
 3. fine-tune it with PPO + KL (`--iterations` x `--num-envs` x `--num-steps`
-   env steps, adaptive beta with `--target-kl`), evaluate the result the same way;
+   env steps, adaptive beta with `--target-kl`, the library's residual policy
+   unless `--policy-init copy`), evaluate the result the same way;
 4. PPO from scratch (same architecture, fresh weights, no KL) for the same
    number of env steps, evaluated the same way.
 
 The table gives success rates with 95% Wilson intervals, the env steps at which
 the (sampled) training success rate first reached 95%, the mean per-step KL to
 the offline policy, and whether fine-tuning dipped more than 10 points below
-where it started (its first rollout is the offline policy, sampled) in the first
-half of its iterations. A second table gives rollout throughput (env steps/s,
+the offline policy: the greedy policy after each of `--dip-iterations`
+iterations, evaluated like the offline one. A second table gives rollout throughput (env steps/s,
 policy and encoder included) with 1, 2 and 4 environments, in-process and in
 worker processes, and the simulators' own speed through the same vector envs.
 
