@@ -33,9 +33,9 @@ Step size: a copy's logits are Q / tau (tau = 0.1 for CQL), so it is steep: one
 Adam step at lr 1e-4 moved the policy 2 nats of KL from the reference on
 Logistics-v0, at 1e-5 about 0.03. On PipelineRepair-v0 (the benchmark's CQL run,
 4 envs x 64 steps) a copy at lr 1e-4 ran at 1-2 nats of KL per step within 10
-iterations and 3-7 by iteration 30 (beta barely moved: the controller is slow
-by design), its training success fell from 0.8-0.9 to 0.2-0.4 and the greedy
-policy's from 20/30 to 5/30; with `max_update_kl` (CleanRL's `target_kl`: an
+iterations (with or without `kl_gradient`) and, without it, 3-7 by iteration 30
+(beta barely moved: the controller is slow by design), its training success
+fell from 0.8-0.9 to 0.2-0.4 and the greedy policy's from 20/30 to 5/30; with `max_update_kl` (CleanRL's `target_kl`: an
 iteration's updates end once a minibatch's KL(pi_old || pi_new) estimate
 exceeds it) it took one minibatch step of 16 per iteration. Hence the residual
 default: g is in logit units, so Adam moves it as it moves any fresh network.
