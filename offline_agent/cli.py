@@ -368,7 +368,7 @@ def finetune_command(
         help="also descend the KL penalty's own gradient (off: the penalty acts through the rewards only)",
     ),
     learning_rate: float | None = typer.Option(
-        None, "--learning-rate", help="Adam learning rate of the policy [default: 3e-4 residual, 1e-5 copy]"
+        None, "--learning-rate", help="Adam learning rate of the policy [default: 3e-3 residual, 1e-5 copy]"
     ),
     value_learning_rate: float | None = typer.Option(
         None, "--value-learning-rate", help="Adam learning rate of the value head [default: PPOConfig's]"

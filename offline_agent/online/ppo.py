@@ -35,9 +35,10 @@ Logistics-v0, at 1e-5 about 0.03. On PipelineRepair-v0 (the benchmark's CQL run,
 4 envs x 64 steps) a copy at lr 1e-4 ran at 1-2 nats of KL per step within 10
 iterations (with or without `kl_gradient`) and, without it, 3-7 by iteration 30
 (beta barely moved: the controller is slow by design), its training success
-fell from 0.8-0.9 to 0.2-0.4 and the greedy policy's from 20/30 to 5/30; with `max_update_kl` (CleanRL's `target_kl`: an
-iteration's updates end once a minibatch's KL(pi_old || pi_new) estimate
-exceeds it) it took one minibatch step of 16 per iteration. Hence the residual
+fell from 0.8-0.9 to 0.2-0.4 and the greedy policy's from 20/30 to 5/30; with
+`max_update_kl` (CleanRL's `target_kl`: an iteration's updates end once a
+minibatch's KL(pi_old || pi_new) estimate exceeds it) it took one minibatch
+step of 16 per iteration. Hence the residual
 default: g is in logit units, so Adam moves it as it moves any fresh network.
 At lr 3e-4 it did not move the policy in 6 iterations (KL < 0.001: the offline
 policy is nearly deterministic, entropy ~0.08 nats, so the policy gradient is
@@ -180,7 +181,9 @@ class PPOConfig:
     value_init: Literal["critic", "zero"] = field(
         default="zero", metadata={"help": "critic: V = V_ref(s) + MLP residual; zero: a fresh MLP"}
     )
-    value_hidden: int = field(default=128, metadata={"help": "hidden width of the value MLP"})
+    value_hidden: int = field(
+        default=128, metadata={"help": "hidden width of the value MLP (and of the residual policy's correction)"}
+    )
     from_scratch: bool = field(
         default=False, metadata={"help": "re-initialise the policy head (the PPO-from-scratch baseline)"}
     )
@@ -443,8 +446,8 @@ class PPOTrainer:
         self.model = ActorCritic(
             head.train(), self.tau, int(reference.encoder.dim), c.value_hidden, c.value_init
         ).to(self.device)
-        # Two learning rates: the policy head starts at the offline policy and must move slowly (see the module
-        # docstring), the value head starts from nothing and must catch up with the returns.
+        # Two learning rates: a copied policy head is steep and must move slowly (see the module docstring),
+        # the value head starts from nothing and must catch up with the returns.
         self.optimizer = torch.optim.Adam(
             [
                 {"params": [p for p in self.model.policy_head.parameters() if p.requires_grad], "lr": c.learning_rate},
@@ -489,14 +492,21 @@ class PPOTrainer:
         return [int(s) for s in seeds]
 
     @torch.no_grad()
+    def reference_policy(
+        self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """log pi_ref (N, C) over the candidates and the offline critic's V_ref(s) (N,) of N observations."""
+        ref_q = self.reference_net.q_values(state, cands, mask)  # (N, C)
+        ref_logp = masked_log_softmax(ref_q / self.tau, mask)
+        return ref_logp, expected_value(ref_logp, ref_q, mask)
+
+    @torch.no_grad()
     def policy_step(self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Sample actions and everything the rollout stores about them, for N observations."""
         dev = self.device
         state, cands, mask = state.to(dev), cands.to(dev), mask.to(dev)
         logp = masked_log_softmax(self.model.logits(state, cands, mask), mask)  # (N, C)
-        ref_q = self.reference_net.q_values(state, cands, mask)  # (N, C)
-        ref_logp = masked_log_softmax(ref_q / self.tau, mask)
-        ref_value = expected_value(ref_logp, ref_q, mask)  # (N,)
+        ref_logp, ref_value = self.reference_policy(state, cands, mask)
         action = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(1)  # (N,)
         return {
             "action": action,
@@ -517,8 +527,7 @@ class PPOTrainer:
         stats = self.collect_rollout(beta)
         with torch.no_grad():
             state, cands, mask = self.featurizer.tensors(self.observations)
-            ref_q = self.reference_net.q_values(state, cands, mask)
-            ref_value = expected_value(masked_log_softmax(ref_q / self.tau, mask), ref_q, mask)
+            _, ref_value = self.reference_policy(state, cands, mask)
             next_value = self.model.value(state, ref_value)
         advantages, returns = gae(self.rewards, self.values, self.dones, next_value, c.gamma, c.gae_lambda)
         update = self.update(advantages, returns, beta)
@@ -634,8 +643,8 @@ class PPOTrainer:
                 v_loss = 0.5 * (self.model.value(b_state[mb], b_ref_values[mb]) - b_returns[mb]).pow(2).mean()
                 kl_loss = beta * exact_kl(logp, b_ref_logps[mb], mb_mask).mean()
                 loss = pg.loss - c.ent_coef * ent + c.vf_coef * v_loss + (kl_loss if c.kl_gradient else 0.0)
-                # A policy head initialised from Q / tau is steep (a small weight change moves the logits 1/tau
-                # times as much): stop before a step that would carry it further from the rollout's policy.
+                # Stop before a step that would carry the policy further from the rollout's (most needed by a
+                # copied head, whose logits move 1/tau times as much as its weights).
                 if n_updates and c.max_update_kl is not None and pg.approx_kl > c.max_update_kl:
                     stop = True
                     break
