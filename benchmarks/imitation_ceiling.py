@@ -57,14 +57,12 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     args = parser.parse_args()
 
-    from offline_agent.evaluate import wilson_interval
-
     started, rows = time.perf_counter(), []
     with tempfile.TemporaryDirectory() as tmp:
         for env in ENVS:
             result = ceiling(env, args.episodes, args.steps, args.eval_episodes, Path(tmp))
             bc = result["bc"]
-            low, high = wilson_interval(bc.successes, bc.episodes)
+            low, high = bc.ci95
             rows.append([env.split("/")[-1], f"{result['expert'].successes / result['expert'].episodes:.2f}",
                          f"{bc.success_rate:.2f} [{low:.2f}, {high:.2f}]", f"{bc.error_rate:.2f}"])
             print(rows[-1], flush=True)
