@@ -433,7 +433,9 @@ def train_command(
     alpha: float | None = typer.Option(None, "--alpha", help="CQL conservative weight [default: 1.0]"),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: packaged MiniLM]"),
     k: int | None = typer.Option(None, "--k", help="previous turns in the state text [default: 3]"),
-    cal_ql: bool = typer.Option(False, "--cal-ql", help="CQL: floor pushed-down values at the MC return"),
+    cal_ql: bool = typer.Option(
+        True, "--cal-ql/--no-cal-ql", help="CQL: floor pushed-down values at the MC return (Cal-QL)"
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a policy already in OUT"),
 ) -> None:
     """Train an offline policy on a dataset: CQL over candidate actions, or a baseline."""
@@ -442,7 +444,7 @@ def train_command(
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
         encoder=encoder, k=k, overwrite=overwrite, progress=sys.stderr.isatty(),
-        settings={"cal_ql": True} if cal_ql else None,
+        settings=None if cal_ql else {"cal_ql": False},  # only CQL has the setting: pass it when it is not the default
     )
     final = ", ".join(f"{name} {value:.4f}" for name, value in result.final_metrics.items() if name != "step")
     console.print(

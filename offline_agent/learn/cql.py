@@ -10,10 +10,18 @@ For a logged transition (s, a, r, s', d) and the candidate actions C(s) of s:
 Q and Qtarget are `QNetwork`s with twin heads (min over heads as the value; the target net follows the
 online one by Polyak averaging). The conservative term pushes down the values of the actions the log did
 not take at s relative to the one it did, which keeps the greedy policy near the data where the data
-says nothing. With `cal_ql` (Nakamoto et al. 2023, Cal-QL), the pushed-down values are floored at the
-Monte-Carlo return of the logged episode from s, `max(Q(s, a'), G(s))`, so that conservatism never
-drives values below what the behaviour policy is known to achieve. The policy is
+says nothing. With `cal_ql` (Nakamoto et al. 2023, Cal-QL; on by default), the pushed-down values are
+floored at the Monte-Carlo return of the logged episode from s, `max(Q(s, a'), G(s))`, so that
+conservatism never drives values below what the behaviour policy is known to achieve. The policy is
 `pi(a|s) = softmax_{a in C(s)} Q(s, a) / tau`.
+
+Why the floor is on by default: without it, the values of actions the log rarely took at a state sink
+far below the returns (to -3..-12 where returns lie in [0, 1]), while an action that ends the episode
+at once (a destructive tool call, closing a ticket early) keeps its value pinned at its reward by a TD
+target with nothing to bootstrap. In states the log never saw, that terminal action then looks best:
+plain CQL's greedy policy on PipelineRepair chose `drop_table` or `skip_stage` with probability ~1.0
+in every episode it failed. The floor keeps values on the scale of the returns (`learn/README.md` has
+the measurements).
 
 Dimension letters: B batch, C candidate slots, D embedding width, K heads.
 """
@@ -51,7 +59,7 @@ class CQLConfig:
     target_update_rate: float = field(default=0.005, metadata={"help": "Polyak rate of the target net, (0, 1]"})
     hidden: int = field(default=256, metadata={"help": "hidden width of each Q head"})
     n_heads: int = field(default=2, metadata={"help": "Q heads (2 = twin Q with min)"})
-    cal_ql: bool = field(default=False, metadata={"help": "floor pushed-down values at the MC return"})
+    cal_ql: bool = field(default=True, metadata={"help": "floor pushed-down values at the MC return"})
     n_sampled_candidates: int = field(
         default=16, metadata={"help": "candidates sampled for steps whose log has none"}
     )
