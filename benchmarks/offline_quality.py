@@ -166,7 +166,11 @@ def main() -> None:
         + markdown_table(["environment", "FQE estimate", "simulator", "behaviour (test logs)"], fqe_rows)
     )
     command = " ".join(["python benchmarks/offline_quality.py", *sys.argv[1:]])
-    write_result("offline_quality", "Offline RL quality on the built-in simulators", table, command)
+    # Another amount of logs is another table (the README shows the default's and 600 episodes').
+    name, title = "offline_quality", "Offline RL quality on the built-in simulators"
+    if b["episodes"] != BUDGETS["full" if args.full else "default"]["episodes"]:
+        name, title = f"{name}_{b['episodes']}", f"{title}, from {b['episodes']} logged episodes"
+    write_result(name, title, table, command)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ BENCHMARKS = [
     ("state_aliasing", "state_aliasing.py", []),
     ("train_speed", "train_speed.py", []),
     ("offline_quality", "offline_quality.py", []),
+    ("offline_quality_600", "offline_quality.py", ["--episodes", "600"]),
     ("imitation_ceiling", "imitation_ceiling.py", []),
     ("real_logs_auc", "real_logs_auc.py", []),
     ("online", "online.py", []),
