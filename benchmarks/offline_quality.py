@@ -137,7 +137,8 @@ def main() -> None:
     from offline_agent.embed import TextEncoder
 
     torch.set_num_threads(args.threads)
-    budget = dict(BUDGETS["full" if args.full else "default"])
+    base = BUDGETS["full" if args.full else "default"]
+    budget = dict(base)
     budget.update({k: v for k, v in vars(args).items() if k in budget and v is not None})
     encoder = TextEncoder(max_length=budget["max_length"])
     start = time.perf_counter()
@@ -168,7 +169,7 @@ def main() -> None:
     command = " ".join(["python benchmarks/offline_quality.py", *sys.argv[1:]])
     # Another amount of logs is another table (the README shows the default's and 600 episodes').
     name, title = "offline_quality", "Offline RL quality on the built-in simulators"
-    if b["episodes"] != BUDGETS["full" if args.full else "default"]["episodes"]:
+    if b["episodes"] != base["episodes"]:
         name, title = f"{name}_{b['episodes']}", f"{title}, from {b['episodes']} logged episodes"
     write_result(name, title, table, command)
 

@@ -16,7 +16,7 @@ conservatism never drives values below what the behaviour policy is known to ach
 `pi(a|s) = softmax_{a in C(s)} Q(s, a) / tau`.
 
 Why the floor is on by default: without it, the values of actions the log rarely took at a state sink
-far below the returns (to -3..-12 where returns lie in [0, 1]), while an action that ends the episode
+far below the returns (to -2..-12 where returns lie in [0, 1]), while an action that ends the episode
 at once (a destructive tool call, closing a ticket early) keeps its value pinned at its reward by a TD
 target with nothing to bootstrap. In states the log never saw, that terminal action then looks best:
 plain CQL's greedy policy on PipelineRepair chose `drop_table` or `skip_stage` with probability ~1.0

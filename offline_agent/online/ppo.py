@@ -65,8 +65,8 @@ failures were calls that end the episode (`drop_table`, `skip_stage`) taken with
 the right call at <= 0.002: nothing to sample, nothing to learn from (`learn/README.md`, "Cal-QL").
 From Cal-QL (now the offline default; the same logs and budget), the right call keeps probability
 0.02-0.18 at most failing states, and the same PPO defaults, 4 envs x 64 steps, improve it. Greedy
-success of the offline Cal-QL policy against after 20 iterations (5,120 env steps) and after 60
-(15,360 env steps):
+success of the offline Cal-QL policy, then after 20 iterations (5,120 env steps) and after 60 (15,360
+env steps):
 - 50 episodes, seeds from 1000: 42/50 offline; 49/50 [0.90, 1.00] after 60 iterations (27/30 on the
   first 30 after 20);
 - 100 fresh episodes, seeds from 5000: 86/100 [0.78, 0.92] offline, 91/100 after 20, 93/100 [0.86, 0.97]
