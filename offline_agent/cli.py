@@ -436,15 +436,27 @@ def train_command(
     cal_ql: bool = typer.Option(
         True, "--cal-ql/--no-cal-ql", help="CQL: floor pushed-down values at the MC return (Cal-QL)"
     ),
+    tune_encoder_layers: int = typer.Option(
+        0, "--tune-encoder-layers", help="cql/bc: fine-tune the encoder's top N layers with the loss [default: 0]"
+    ),
+    encoder_lr: float | None = typer.Option(
+        None, "--encoder-lr", help="learning rate of the tuned encoder layers [default: 5e-5]"
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a policy already in OUT"),
 ) -> None:
     """Train an offline policy on a dataset: CQL over candidate actions, or a baseline."""
     from offline_agent.learn.train import train
 
+    # Settings only some algorithms have are passed when they differ from the default, so that the
+    # others' configs (which lack them) only complain when asked for something they cannot do.
+    settings: dict[str, object] = {} if cal_ql else {"cal_ql": False}
+    if tune_encoder_layers:
+        settings["tune_encoder_layers"] = tune_encoder_layers
+    if encoder_lr is not None:
+        settings["encoder_learning_rate"] = encoder_lr
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
-        encoder=encoder, k=k, overwrite=overwrite, progress=sys.stderr.isatty(),
-        settings=None if cal_ql else {"cal_ql": False},  # only CQL has the setting: pass it when it is not the default
+        encoder=encoder, k=k, overwrite=overwrite, progress=sys.stderr.isatty(), settings=settings,
     )
     final = ", ".join(f"{name} {value:.4f}" for name, value in result.final_metrics.items() if name != "step")
     console.print(

@@ -152,6 +152,33 @@ class TextEncoder:
         self.batch_size = batch_size
         self.dim = int(model.config.hidden_size)
         self.id = encoder_id(folder, max_length)
+        self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
+
+    def load_tuned_layers(self, state: dict[str, Any], base_id: str | None = None) -> None:
+        """Put fine-tuned top layers (`EncoderTop.layer_state()`, as in a run's encoder.safetensors) into
+        this encoder; its id becomes `<base id>-tuned-<digest>`, so no cache mixes the two encoders' vectors.
+
+        `base_id`, if given, must be this encoder's id: tuned layers only fit the model they were cut from.
+        """
+        from offline_agent.learn.encoder_tuning import LAYER_PREFIX, transformer_layers, tuned_encoder_id
+
+        if base_id is not None and base_id != self.id:
+            raise UserError(
+                f"the tuned encoder layers were trained on top of encoder {base_id}, but this encoder is "
+                f"{self.id}: pass --encoder PATH to the model the policy was trained with"
+            )
+        names = {key[len(LAYER_PREFIX) :].split(".", 1)[0] for key in state if key.startswith(LAYER_PREFIX)}
+        n_top = len(names)
+        stack = transformer_layers(self.model)
+        if not names or n_top > len(stack) or len(state) != sum(1 for k in state if k.startswith(LAYER_PREFIX)):
+            raise UserError(f"tuned encoder layers hold unexpected tensors ({len(state)}): the file is damaged")
+        top = torch_module_list(stack[-n_top:])
+        try:
+            top.load_state_dict({key[len(LAYER_PREFIX) :]: t for key, t in state.items()}, strict=True)
+        except RuntimeError as exc:
+            raise UserError(f"tuned encoder layers do not fit encoder {self.id}: {str(exc).splitlines()[0]}") from None
+        self.id = tuned_encoder_id(self.id, state)
+        self.tuned_layers = n_top
 
     def count_tokens(self, text: str) -> int:
         """Tokens of `text` with the special tokens the encoder adds: the `count_tokens` of render_state."""
@@ -189,6 +216,13 @@ class TextEncoder:
 
     def __repr__(self) -> str:
         return f"TextEncoder({self.id!r}, dim={self.dim}, max_length={self.max_length}, device={self.device})"
+
+
+def torch_module_list(modules: Sequence[Any]) -> Any:
+    """`nn.ModuleList` of existing modules (shares their parameters), for loading a state dict into a slice."""
+    from torch import nn
+
+    return nn.ModuleList(modules)
 
 
 class _progress:

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 from offline_agent.errors import UserError
-from offline_agent.learn.cql import OnStep, check_common, train_rows
+from offline_agent.learn.cql import OnStep, check_common, optimizer_for, train_rows
+from offline_agent.learn.encoder_tuning import EncoderTuner
 from offline_agent.learn.features import Features, make_batch
 from offline_agent.learn.networks import QNetwork, masked
 
@@ -42,6 +43,10 @@ class BCConfig:
         default=1.0, metadata={"help": "clone only episodes in this top fraction of return (1 = plain BC)"}
     )
     n_sampled_candidates: int = field(default=16, metadata={"help": "candidates sampled where the log has none"})
+    tune_encoder_layers: int = field(
+        default=0, metadata={"help": "fine-tune the encoder's top N layers with the loss (0 = frozen features)"}
+    )
+    encoder_learning_rate: float = field(default=5e-5, metadata={"help": "Adam learning rate of tuned layers"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})
@@ -77,18 +82,23 @@ def top_episode_rows(features: Features, rows: torch.Tensor, fraction: float) ->
 
 
 def train_bc(
-    features: Features, config: BCConfig, on_step: OnStep | None = None
+    features: Features, config: BCConfig, on_step: OnStep | None = None, tuner: EncoderTuner | None = None
 ) -> tuple[QNetwork, list[dict[str, float]]]:
-    """Train a one-head `QNetwork` as a classifier of the logged action. Returns it and its metric rows."""
+    """Train a one-head `QNetwork` as a classifier of the logged action. Returns it and its metric rows.
+
+    With a `tuner`, the encoder's top layers are trained with the same loss (see `train_cql`)."""
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     rows = top_episode_rows(features, train_rows(features), config.filter_fraction)
     net = QNetwork(features.dim, config.hidden, n_heads=1).to(config.device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=config.learning_rate)
+    optimizer = optimizer_for(net, config, tuner)
     history: list[dict[str, float]] = []
     for step in range(1, config.steps + 1):
         pick = rows[torch.randint(rows.shape[0], (config.batch_size,), generator=generator)]
-        batch = make_batch(features, pick, generator, config.n_sampled_candidates).to(config.device)
+        batch = make_batch(features, pick, generator, config.n_sampled_candidates)
+        if tuner is not None:
+            batch = tuner.batch(batch, pick, features, step, next_states=False)
+        batch = batch.to(config.device)
         cand_all = torch.cat([batch.action[:, None, :], batch.cand], 1)  # (B, 1 + C, D)
         logits = net.all_heads(batch.state, cand_all)[0]  # (1, B, 1 + C) -> (B, 1 + C)
         loss = bc_loss(logits[:, 0], logits[:, 1:], batch.cand_mask).mean()

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from offline_agent.errors import UserError
+from offline_agent.learn.encoder_tuning import EncoderTuner
 from offline_agent.learn.features import Batch, Features, make_batch
 from offline_agent.learn.networks import QNetwork, masked
 
@@ -65,6 +66,10 @@ class CQLConfig:
     )
     state_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on phi(s)"})
     action_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on psi(a)"})
+    tune_encoder_layers: int = field(
+        default=0, metadata={"help": "fine-tune the encoder's top N layers with the loss (0 = frozen features)"}
+    )
+    encoder_learning_rate: float = field(default=5e-5, metadata={"help": "Adam learning rate of tuned layers"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})
@@ -95,6 +100,13 @@ def check_common(config: Any) -> None:
         raise UserError(f"device must be cpu, cuda or cuda:N, got {config.device!r}")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {config.device}: no CUDA device is available here; use --device cpu")
+    if getattr(config, "tune_encoder_layers", 0) < 0:
+        raise UserError(
+            f"tune_encoder_layers must be >= 0, got {config.tune_encoder_layers}: 0 keeps the encoder frozen, "
+            "1 or 2 fine-tune its top layers"
+        )
+    if not getattr(config, "encoder_learning_rate", 1.0) > 0:
+        raise UserError(f"encoder_learning_rate must be > 0, got {config.encoder_learning_rate}; e.g. 5e-5")
 
 
 # --- the math --------------------------------------------------------------------------------------
@@ -223,12 +235,22 @@ def train_rows(features: Features) -> torch.Tensor:
     return rows
 
 
+def optimizer_for(net: torch.nn.Module, config: Any, tuner: EncoderTuner | None) -> torch.optim.Adam:
+    """Adam over the network, and over the tuned encoder layers (at their own, smaller rate) if any."""
+    groups: list[dict[str, Any]] = [{"params": list(net.parameters())}]
+    if tuner is not None:
+        groups.append({"params": list(tuner.parameters()), "lr": config.encoder_learning_rate})
+    return torch.optim.Adam(groups, lr=config.learning_rate)
+
+
 def train_cql(
-    features: Features, config: CQLConfig, on_step: OnStep | None = None
+    features: Features, config: CQLConfig, on_step: OnStep | None = None, tuner: EncoderTuner | None = None
 ) -> tuple[QNetwork, list[dict[str, float]]]:
     """Train a twin-Q `QNetwork` on the train split. Returns the online network and one metric row per log step.
 
     `on_step(step, record)` is called after every step (record is None between log steps), for progress bars.
+    With a `tuner` (`offline_agent.learn.encoder_tuning`), the states' vectors come from the encoder's
+    fine-tuned top layers, which the same loss trains.
 
     Deterministic for a given seed and device: batches come from a seeded generator.
     """
@@ -240,11 +262,13 @@ def train_cql(
         features.dim, config.hidden, config.n_heads, config.state_adapter, config.action_adapter
     ).to(config.device)
     target_net = copy.deepcopy(q_net).requires_grad_(False)
-    optimizer = torch.optim.Adam(q_net.parameters(), lr=config.learning_rate)
+    optimizer = optimizer_for(q_net, config, tuner)
     history: list[dict[str, float]] = []
     for step in range(1, config.steps + 1):
         pick = rows[torch.randint(rows.shape[0], (config.batch_size,), generator=generator)]
         batch = make_batch(features, pick, generator, config.n_sampled_candidates, return_to_go)
+        if tuner is not None:
+            batch = tuner.batch(batch, pick, features, step)
         loss = cql_loss(q_net, target_net, batch.to(config.device), config)
         optimizer.zero_grad(set_to_none=True)
         loss.total.backward()

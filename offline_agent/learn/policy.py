@@ -59,11 +59,20 @@ CONFIG_FILE = "policy.json"
 # --- checkpoints -----------------------------------------------------------------------------------
 
 
-def save_checkpoint(run_dir: str | Path, network: torch.nn.Module, meta: dict[str, Any]) -> Path:
+def save_checkpoint(
+    run_dir: str | Path,
+    network: torch.nn.Module,
+    meta: dict[str, Any],
+    encoder_layers: dict[str, torch.Tensor] | None = None,
+) -> Path:
     """Write `policy.safetensors` and `policy.json` into `run_dir` atomically; returns the JSON's path.
 
     `meta` holds at least algo, encoder {id, path, dim, max_length}, k, max_tokens and tau.
+    `encoder_layers` (a tuned encoder's top layers, `meta["encoder"]["tuned"]` says on which base) go to
+    `encoder.safetensors`, written before the JSON like the network's weights.
     """
+    from offline_agent.learn.encoder_tuning import ENCODER_FILE
+
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tag = uuid.uuid4().hex[:8]
@@ -71,11 +80,27 @@ def save_checkpoint(run_dir: str | Path, network: torch.nn.Module, meta: dict[st
     config_tmp = run_dir / f".{CONFIG_FILE}.tmp-{tag}"
     state = {name: t.detach().cpu().contiguous() for name, t in network.state_dict().items()}
     save_file(state, str(weights_tmp))
+    if encoder_layers is not None:
+        encoder_tmp = run_dir / f".{ENCODER_FILE}.tmp-{tag}"
+        save_file({name: t.detach().cpu().contiguous() for name, t in encoder_layers.items()}, str(encoder_tmp))
+        os.replace(encoder_tmp, run_dir / ENCODER_FILE)
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta, "network": network.config()}
     config_tmp.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(weights_tmp, run_dir / WEIGHTS_FILE)
     os.replace(config_tmp, run_dir / CONFIG_FILE)  # last: the JSON marks a complete checkpoint
     return run_dir / CONFIG_FILE
+
+
+def tuned_layers(folder: str | Path, meta: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+    """The tuned encoder layers a checkpoint holds (None for a policy over the frozen encoder)."""
+    from offline_agent.learn.encoder_tuning import ENCODER_FILE
+
+    if not (meta.get("encoder") or {}).get("tuned"):
+        return None
+    path = checkpoint_dir(folder) / ENCODER_FILE
+    if not path.is_file():
+        raise UserError(f"{path} is missing: this policy was trained with a tuned encoder; copy the whole run folder")
+    return load_file(str(path))
 
 
 def checkpoint_dir(path: str | Path) -> Path:
@@ -107,18 +132,27 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Mod
     return network.to(device).eval(), meta
 
 
-def encoder_for(meta: dict[str, Any], encoder: Any = None, device: str = "cpu") -> Any:
+def encoder_for(
+    meta: dict[str, Any], encoder: Any = None, device: str = "cpu", folder: str | Path | None = None
+) -> Any:
     """The encoder a checkpoint was trained with: `encoder` if given, else loaded from the recorded path
-    (or the packaged default when that path is absent here). A different encoder id is a UserError."""
+    (or the packaged default when that path is absent here), with the checkpoint's tuned top layers (read
+    from `folder`) if it has them. A different encoder id is a UserError."""
     wanted = meta.get("encoder")
     if not isinstance(wanted, dict) or "id" not in wanted:
         raise UserError("the checkpoint's policy.json names no encoder (encoder.id): retrain it with this version")
-    if encoder is None:
+    tuned = wanted.get("tuned")
+    if encoder is None or (tuned and encoder.id == tuned.get("base_id")):
+        # A tuned policy is given its base encoder (e.g. by `evaluate --encoder`): a copy gets the layers.
         from offline_agent.embed import TextEncoder
 
-        path = wanted.get("path")
+        path = wanted.get("path") if encoder is None else encoder.path
         path = path if path and Path(path).is_dir() else None
         encoder = TextEncoder(path=path, device=device, max_length=int(wanted.get("max_length", 256)))
+        if tuned:
+            if folder is None:
+                raise ValueError("a tuned encoder's layers are read from the checkpoint folder: pass `folder`")
+            encoder.load_tuned_layers(tuned_layers(folder, meta), base_id=tuned.get("base_id"))
     if encoder.id != wanted["id"]:
         raise UserError(
             f"this policy was trained on embeddings of encoder {wanted['id']} (from {wanted.get('path')}), "
@@ -180,7 +214,8 @@ class Policy:
     ) -> Policy:
         """The policy of a checkpoint (run folder or its policy.json); see `encoder_for` for the encoder."""
         network, meta = load_checkpoint(path, device)
-        return cls(network, encoder_for(meta, encoder, device), meta, greedy=greedy, seed=seed, device=device)
+        encoder = encoder_for(meta, encoder, device, folder=checkpoint_dir(path))
+        return cls(network, encoder, meta, greedy=greedy, seed=seed, device=device)
 
     @property
     def algo(self) -> str:

@@ -28,6 +28,7 @@ from offline_agent.errors import UserError
 from offline_agent.learn.bc import BCConfig, train_bc
 from offline_agent.learn.cql import CQLConfig, OnStep, train_cql
 from offline_agent.learn.d3rlpy_bridge import D3rlpyCQLConfig, train_d3rlpy_cql
+from offline_agent.learn.encoder_tuning import EncoderTuner
 from offline_agent.learn.features import Features, build_features
 from offline_agent.learn.policy import CONFIG_FILE, save_checkpoint
 
@@ -59,13 +60,14 @@ def make_config(algo: str, **settings: Any) -> CQLConfig | BCConfig | D3rlpyCQLC
 
 
 def run_algorithm(
-    algo: str, features: Features, config: Any, on_step: OnStep | None = None
+    algo: str, features: Features, config: Any, on_step: OnStep | None = None, tuner: EncoderTuner | None = None
 ) -> tuple[Any, list[dict[str, float]]]:
-    """Train `algo` on `features`: (network with `q_values`, metric rows)."""
+    """Train `algo` on `features`: (network with `q_values`, metric rows). `tuner` fine-tunes the encoder's
+    top layers along (cql, bc and filtered-bc)."""
     if algo == "cql":
-        return train_cql(features, config, on_step)
+        return train_cql(features, config, on_step, tuner)
     if algo in ("bc", "filtered-bc"):
-        return train_bc(features, config, on_step)
+        return train_bc(features, config, on_step, tuner)
     if algo == "d3rlpy-cql":
         return train_d3rlpy_cql(features, config, on_step)
     raise UserError(f"unknown algorithm {algo!r}: use --algo one of {', '.join(ALGOS)}")
@@ -129,34 +131,41 @@ def train(
     if (out / CONFIG_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a trained policy: choose another --out, or pass --overwrite")
     encoder = load_encoder(encoder, device)
+    n_tuned = getattr(config, "tune_encoder_layers", 0)
     if features is None:
-        features = build_features(ds, encoder, k=k, progress=progress)
+        features = build_features(ds, encoder, k=k, progress=progress, keep_texts=n_tuned > 0)
     elif features.encoder_id != encoder.id:
         raise ValueError("features were built with another encoder than the one given")
+    tuner = EncoderTuner(encoder, features, n_tuned, progress=progress) if n_tuned else None
 
     start = time.perf_counter()
     with _progress_bar(progress, config.steps, algo) as on_step:
-        network, history = run_algorithm(algo, features, config, on_step)
+        network, history = run_algorithm(algo, features, config, on_step, tuner)
     seconds = time.perf_counter() - start
 
     out.mkdir(parents=True, exist_ok=True)
     metrics = write_metrics(out, history)
     plot_curves(metrics, out / CURVES_FILE, title=f"{algo} on {ds.name}")
+    encoder_meta = {
+        "id": encoder.id,
+        "path": getattr(encoder, "path", None),
+        "dim": encoder.dim,
+        "max_length": getattr(encoder, "max_length", None),
+    }
+    if tuner is not None:
+        # The policy's values are of the tuned encoder's vectors: it is the encoder it must be played with.
+        tuning = tuner.describe()
+        encoder_meta.update(id=tuning["tuned_id"], tuned={"layers": tuning["layers"], "base_id": tuning["base_id"]})
     meta = {
         "algo": algo,
-        "encoder": {
-            "id": encoder.id,
-            "path": getattr(encoder, "path", None),
-            "dim": encoder.dim,
-            "max_length": getattr(encoder, "max_length", None),
-        },
+        "encoder": encoder_meta,
         "k": features.k,
         "max_tokens": features.max_tokens,
         "tau": config.tau,
         "dataset": {"path": str(ds.path), "name": ds.name, "fingerprint": ds.meta.get("fingerprint")},
         "config": asdict(config),
     }
-    save_checkpoint(out, network, meta)
+    save_checkpoint(out, network, meta, encoder_layers=tuner.layer_state() if tuner is not None else None)
     final = {name: v for name, v in (history[-1] if history else {}).items() if v is not None}
     summary = {
         **meta,
@@ -164,6 +173,7 @@ def train(
         "train_seconds": round(seconds, 3),
         "steps_per_second": round(config.steps / seconds, 2) if seconds > 0 else None,
         "embedding_cache": {"hits": features.cache_hits, "misses": features.cache_misses},
+        "encoder_tuning": tuner.describe() if tuner is not None else None,
         "final_metrics": final,
     }
     _write_json(out / SUMMARY_FILE, summary)

@@ -87,7 +87,7 @@ def finetune(
     `safety` is a safety-filter spec (see `offline_agent.online.safety`); `resume` continues `out` from its
     last checkpoint (the other arguments must match the interrupted run's, except `config.iterations`).
     """
-    from offline_agent.learn.policy import CONFIG_FILE, Policy, checkpoint_dir, save_checkpoint
+    from offline_agent.learn.policy import CONFIG_FILE, Policy, checkpoint_dir, save_checkpoint, tuned_layers
 
     config = config or PPOConfig()
     source = checkpoint_dir(run)
@@ -137,6 +137,8 @@ def finetune(
                 if (out / METRICS_FILE).is_file():
                     rows = pl.read_parquet(out / METRICS_FILE).filter(pl.col("iteration") <= resumed_from).to_dicts()
             meta = _policy_meta(reference, env, config, safety_filter, source)
+            # A policy over a tuned encoder carries its layers along: the fine-tuned one plays with them too.
+            encoder_layers = tuned_layers(source, reference.meta)
             with _progress(progress, config.iterations, trainer.iteration) as advance:
                 while trainer.iteration < config.iterations:
                     row = trainer.train_iteration()
@@ -146,7 +148,7 @@ def finetune(
                         on_iteration(row)
                     advance(row)
                     if trainer.iteration % config.checkpoint_every == 0 or trainer.iteration == config.iterations:
-                        save_checkpoint(out, trainer.model.policy_head, meta)
+                        save_checkpoint(out, trainer.model.policy_head, meta, encoder_layers)
                         save_state(state_path, trainer, identity)
         finally:
             trainer.close()

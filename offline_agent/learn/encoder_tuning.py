@@ -1,0 +1,263 @@
+"""Fine-tuning the text encoder's top layers with the learner's loss (`--tune-encoder-layers L`).
+
+Frozen sentence embeddings blur decisions that hang on a few tokens of a long state (Logistics: a
+quantity against a stock, a time against a due time; `learn/README.md` has the measurements). Training
+the encoder with the Q or BC loss lets the representation keep them. Training all of it costs a forward
+and backward pass through every layer for every state of every batch; training only the top L layers
+costs a fraction L / n_layers of that, because the hidden states that enter layer n - L never change:
+they are computed once per distinct text (`token_states`, kept as float16 without padding) and each step
+runs only the top L layers, the mean pooling and the L2 norm (`EncoderTop`).
+
+What gets a gradient: the states of the batch (current states; next states are only used in the TD
+target, without gradient). Actions share the encoder's weights, so their embeddings move with it: the
+table of every action's vector is recomputed without gradient every `refresh_every` steps
+(`EncoderTuner.refresh_actions`). Scoring a batch's candidates with gradient would cost several times
+the states' compute (dozens of distinct candidate texts per state), for a side of the problem that
+frozen features already separate well (an action text is short).
+
+The tuned layers are saved next to the policy (`RUN/encoder.safetensors`); `TextEncoder.load_tuned_layers`
+puts them into a fresh copy of the base encoder at decision time, and the encoder's id becomes
+`<base id>-tuned-<digest of the weights>`, so that embedding caches of the base and the tuned encoder
+never mix.
+
+Dimension letters: B batch, T tokens, D hidden width (= embedding width), N texts, V actions.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from offline_agent.errors import UserError
+from offline_agent.learn.features import Batch, Features
+
+ENCODER_FILE = "encoder.safetensors"
+#: Prefix of the tuned layers' tensors in ENCODER_FILE: `layers.<i>.<name>` for the i-th of the top L.
+LAYER_PREFIX = "layers."
+
+
+def transformer_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's stack of transformer blocks: the ModuleList with `num_hidden_layers` entries."""
+    n = getattr(model.config, "num_hidden_layers", None)
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and n is not None and len(m) == n]
+    if not stacks:
+        raise UserError(
+            f"cannot find the transformer layers of encoder {type(model).__name__} (no list of "
+            f"{n} blocks): --tune-encoder-layers supports BERT-like encoders; train with frozen features"
+        )
+    return stacks[0]
+
+
+def layer_mask(model: nn.Module, attention_mask: torch.Tensor, hidden: torch.Tensor) -> Any:
+    """The attention mask in the form the model's layers take (it depends on the attention implementation)."""
+    create = getattr(model, "_create_attention_masks", None)
+    if create is not None:
+        return create(attention_mask, None, hidden, None, None)[0]
+    from transformers.masking_utils import create_bidirectional_mask
+
+    return create_bidirectional_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask)
+
+
+def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unit vector of the mean over unmasked tokens: hidden (B, T, D), mask (B, T) -> (B, D).
+
+    The sentence-transformers recipe of `TextEncoder.encode`, so that tuning starts from the frozen vectors.
+    """
+    weights = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
+    pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+    return nn.functional.normalize(pooled, p=2, dim=1)
+
+
+@dataclass
+class TokenStates:
+    """Hidden states of N texts at one layer, unpadded: rows offsets[i]:offsets[i+1] of `hidden` are text i."""
+
+    hidden: torch.Tensor  # (sum of token counts, D) float16
+    offsets: torch.Tensor  # (N + 1,) int64
+
+    def __len__(self) -> int:
+        return int(self.offsets.shape[0]) - 1
+
+    def gather(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Texts `index` (B,) padded to their longest: hidden (B, T, D) float32 and mask (B, T) int64."""
+        starts, ends = self.offsets[index], self.offsets[index + 1]
+        lengths = ends - starts
+        width = int(lengths.max()) if index.numel() else 0
+        position = torch.arange(width)[None, :]  # (1, T)
+        mask = position < lengths[:, None]  # (B, T)
+        rows = torch.where(mask, starts[:, None] + position, 0)  # (B, T) rows of `hidden`, 0 in padding
+        out = self.hidden[rows].float() * mask[..., None]  # (B, T, D)
+        return out, mask.long()
+
+
+def token_states(encoder: Any, texts: Sequence[str], n_top: int, progress: bool = False) -> TokenStates:
+    """The hidden states that enter the encoder's top `n_top` layers, for each of `texts` (truncated as
+    `TextEncoder.encode` truncates them)."""
+    from offline_agent.embed import _progress
+
+    model, n_layers = encoder.model, len(transformer_layers(encoder.model))
+    chunks: list[torch.Tensor] = [torch.empty(0, encoder.dim, dtype=torch.float16)] * len(texts)
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    with _progress(progress, len(texts), "encoder states"), torch.inference_mode():
+        for start in range(0, len(texts), encoder.batch_size):
+            idx = order[start : start + encoder.batch_size]
+            batch = encoder.tokenizer(
+                [texts[i] for i in idx], padding=True, truncation=True, max_length=encoder.max_length,
+                return_tensors="pt",
+            ).to(encoder.device)
+            hidden = model(**batch, output_hidden_states=True).hidden_states[n_layers - n_top]  # (B, T, D)
+            lengths = batch["attention_mask"].sum(1).tolist()
+            for row, i in enumerate(idx):
+                # Right padding (BERT tokenizers): a text's tokens are the first `length` positions.
+                chunks[i] = hidden[row, : lengths[row]].to(torch.float16).cpu()
+    offsets = torch.zeros(len(texts) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64), 0)
+    return TokenStates(torch.cat(chunks) if chunks else torch.empty(0, encoder.dim, dtype=torch.float16), offsets)
+
+
+class EncoderTop(nn.Module):
+    """A trainable copy of the encoder's top `n_top` layers, then mean pooling and L2 norm.
+
+    Dropout stays off (eval mode) as when the encoder embeds at decision time: training then sees the
+    vectors the policy will see, and a seeded run is deterministic.
+    """
+
+    def __init__(self, encoder: Any, n_top: int):
+        super().__init__()
+        stack = transformer_layers(encoder.model)
+        if not 1 <= n_top <= len(stack):
+            raise UserError(
+                f"--tune-encoder-layers must be between 1 and the encoder's {len(stack)} layers, got {n_top}"
+            )
+        self.n_top = n_top
+        self.layers = nn.ModuleList(copy.deepcopy(layer) for layer in stack[-n_top:]).requires_grad_(True)
+        self._base = [encoder.model]  # for the mask helper only: a list keeps it out of the parameters
+
+    def train(self, mode: bool = True) -> EncoderTop:
+        return super().train(False)
+
+    def forward(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """hidden (B, T, D) entering the top layers, mask (B, T) -> (B, D) unit vectors."""
+        attention = layer_mask(self._base[0], mask, hidden)
+        for layer in self.layers:
+            out = layer(hidden, attention_mask=attention)
+            hidden = out[0] if isinstance(out, tuple) else out  # transformers < 5 returns a tuple
+        return mean_pool(hidden, mask)
+
+    def layer_state(self) -> dict[str, torch.Tensor]:
+        """The tuned layers' tensors, as saved in ENCODER_FILE."""
+        return {f"{LAYER_PREFIX}{name}": t.detach().cpu().contiguous() for name, t in self.layers.state_dict().items()}
+
+
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """sha256 hex of tensors by name (bytes, dtype, shape): names a tuned encoder in its id."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}\x00{t.dtype}\x00{tuple(t.shape)}\x00".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+class EncoderTuner:
+    """The trainable top of an encoder over a dataset's cached lower-layer states.
+
+    `batch(batch, rows, features)` gives a learner's `Batch` whose state vectors come from the tuned layers
+    (with gradient for the current states), and whose action table is the latest refresh.
+    """
+
+    def __init__(
+        self, encoder: Any, features: Features, n_top: int, refresh_every: int = 20, progress: bool = False
+    ):
+        if features.state_texts is None:
+            raise ValueError("encoder tuning needs the state texts: build the features with keep_texts=True")
+        if features.encoder_id != encoder.id:
+            raise ValueError("features were built with another encoder than the one to tune")
+        if refresh_every < 1:
+            raise UserError(f"refresh_every must be >= 1, got {refresh_every}")
+        self.base_id = encoder.id
+        self.top = EncoderTop(encoder, n_top).to(encoder.device)
+        self.device = encoder.device
+        distinct = list(dict.fromkeys(features.state_texts))
+        where = {text: i for i, text in enumerate(distinct)}
+        self.state_index = torch.tensor([where[t] for t in features.state_texts], dtype=torch.int64)  # (N,)
+        self.states = token_states(encoder, distinct, n_top, progress)
+        self.actions = token_states(encoder, features.vocab, n_top, progress)
+        self.refresh_every = refresh_every
+        self.action_table = features.action_emb.clone()
+        self.refresh_actions()
+
+    def parameters(self) -> Any:
+        return self.top.parameters()
+
+    def embed_texts(self, states: TokenStates, index: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+        """(B, D) vectors of texts `index` (B,) through the tuned layers, with gradient if enabled."""
+        parts = []
+        for start in range(0, index.shape[0], chunk):
+            hidden, mask = states.gather(index[start : start + chunk])
+            parts.append(self.top(hidden.to(self.device), mask.to(self.device)))
+        return torch.cat(parts) if parts else torch.zeros(0, self.top_dim, device=self.device)
+
+    @property
+    def top_dim(self) -> int:
+        return int(self.actions.hidden.shape[1])
+
+    @torch.no_grad()
+    def refresh_actions(self) -> None:
+        """Recompute every action's vector with the current weights (no gradient)."""
+        self.action_table = self.embed_texts(self.actions, torch.arange(len(self.actions))).cpu()
+
+    def batch(
+        self, batch: Batch, rows: torch.Tensor, features: Features, step: int, next_states: bool = True
+    ) -> Batch:
+        """`batch` (drawn by `make_batch` for `rows`) with the tuned encoder's vectors in place of the frozen ones.
+
+        Refreshes the action table first when `step` is a multiple of `refresh_every`. Without
+        `next_states` (BC, which has no TD target) the next states keep their frozen vectors.
+        """
+        if step % self.refresh_every == 0:
+            self.refresh_actions()
+        state = self.embed_texts(self.states, self.state_index[rows])  # (B, D), with gradient
+        next_state = batch.next_state
+        if next_states:
+            with torch.no_grad():
+                nxt = features.next_index[rows].clamp(min=0)  # rows without one are `done`: not bootstrapped
+                next_state = self.embed_texts(self.states, self.state_index[nxt])
+        table = self.action_table.to(state.device)
+        return replace(
+            batch,
+            state=state,
+            next_state=next_state,
+            action=table[batch.action_id],
+            cand=table[batch.cand_ids.clamp(min=0)],
+            action_table=table,
+        )
+
+    def layer_state(self) -> dict[str, torch.Tensor]:
+        return self.top.layer_state()
+
+    def describe(self) -> dict[str, Any]:
+        """What policy.json records of the tuning (the tuned id is the base id and the weights' digest)."""
+        return {
+            "layers": self.top.n_top,
+            "base_id": self.base_id,
+            "tuned_id": tuned_encoder_id(self.base_id, self.layer_state()),
+            "state_texts": len(self.states),
+            "cached_tokens": int(self.states.hidden.shape[0] + self.actions.hidden.shape[0]),
+        }
+
+
+def tuned_encoder_id(base_id: str, state: dict[str, torch.Tensor]) -> str:
+    return f"{base_id}-tuned-{weights_digest(state)[:12]}"
+
+
+def cached_megabytes(n_tokens: int, dim: int) -> float:
+    """Memory the float16 lower-layer states of `n_tokens` tokens take, in MB (for the run summary)."""
+    return float(np.float16(0).nbytes * n_tokens * dim / 1e6)

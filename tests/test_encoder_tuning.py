@@ -1,0 +1,154 @@
+"""Fine-tuning the encoder's top layers: exactness at the start, training, checkpoints, decision time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from learn_data import K, encoder, fresh_copy
+from learn_envs import SPEC
+from safetensors.torch import load_file
+
+from offline_agent.errors import UserError
+from offline_agent.learn.encoder_tuning import (
+    ENCODER_FILE,
+    LAYER_PREFIX,
+    EncoderTop,
+    TokenStates,
+    token_states,
+    tuned_encoder_id,
+    weights_digest,
+)
+from offline_agent.learn.policy import Policy
+from offline_agent.learn.train import train
+
+TEXTS = [
+    "hello",
+    "Task: deliver O-6890 3 x medical_kits to river_mall.\n[obs] arrived at mill_rd.",
+    "inventory at north_warehouse: water 19, tires 2, medical_kits 17 " * 30,  # cut at 256 tokens
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("n_top", [1, 2])
+def test_the_untrained_top_over_cached_states_gives_the_frozen_vectors(n_top):
+    frozen = torch.from_numpy(encoder().encode(TEXTS))
+    states = token_states(encoder(), TEXTS, n_top)
+    hidden, mask = states.gather(torch.arange(len(TEXTS)))
+    tuned = EncoderTop(encoder(), n_top)(hidden, mask)
+    # The cached states are float16: agreement to ~1e-4, not bit for bit.
+    assert (tuned - frozen).abs().max().item() < 1e-3
+    assert int(mask.sum(1)[2]) == encoder().max_length  # the long text was cut like `encode` cuts it
+
+
+def test_token_states_gather_pads_each_text_to_the_longest_and_masks_the_rest():
+    hidden = torch.arange(12, dtype=torch.float16).reshape(6, 2)  # 3 texts of 1, 3, 2 tokens
+    states = TokenStates(hidden, torch.tensor([0, 1, 4, 6]))
+    out, mask = states.gather(torch.tensor([2, 0, 1]))
+    assert mask.tolist() == [[1, 1, 0], [1, 0, 0], [1, 1, 1]]
+    assert out[0].tolist() == [[8, 9], [10, 11], [0, 0]]
+    assert out[1].tolist() == [[0, 1], [0, 0], [0, 0]]
+    assert out[2].tolist() == [[2, 3], [4, 5], [6, 7]]
+    assert out.dtype == torch.float32 and len(states) == 3
+
+
+def test_the_weights_digest_changes_with_any_weight_and_names_the_tuned_encoder():
+    state = {"layers.0.w": torch.zeros(3), "layers.0.b": torch.ones(2)}
+    digest = weights_digest(state)
+    assert weights_digest(dict(reversed(list(state.items())))) == digest  # order of the dict does not matter
+    changed = {**state, "layers.0.w": torch.tensor([0.0, 0.0, 1e-6])}
+    assert weights_digest(changed) != digest
+    assert tuned_encoder_id("base-0123", state) == f"base-0123-tuned-{digest[:12]}"
+
+
+def _train_tuned(tmp_path, algo, name="run", seed=0):
+    dataset = tmp_path / "ds" if (tmp_path / "ds").exists() else fresh_copy(tmp_path / "ds")
+    return train(
+        dataset, algo, tmp_path / name, steps=30, batch_size=16, seed=seed, k=K, encoder=encoder(),
+        settings={"tune_encoder_layers": 1, "encoder_learning_rate": 1e-3},
+    )
+
+
+@pytest.mark.parametrize("algo", ["cql", "bc"])
+def test_a_tuned_run_saves_its_layers_and_plays_with_them(algo, tmp_path):
+    result = _train_tuned(tmp_path, algo)
+    meta = json.loads((result.run_dir / "policy.json").read_text())
+    layers = load_file(str(result.run_dir / ENCODER_FILE))
+    base = encoder().id
+    assert meta["encoder"]["tuned"] == {"layers": 1, "base_id": base}
+    assert meta["encoder"]["id"] == tuned_encoder_id(base, layers) != base
+    assert all(name.startswith(LAYER_PREFIX + "0.") for name in layers)
+
+    # The loss moved the layers away from the base encoder's.
+    untrained = EncoderTop(encoder(), 1).layer_state()
+    assert set(untrained) == set(layers)
+    assert max((layers[n] - untrained[n]).abs().max().item() for n in layers) > 1e-4
+
+    # At decision time the policy's encoder is the base with the tuned layers: its vectors are those the
+    # tuned top computes from the cached states, and they differ from the frozen ones.
+    policy = Policy.load(result.run_dir)
+    assert policy.encoder.id == meta["encoder"]["id"] and policy.encoder.tuned_layers == 1
+    texts = TEXTS
+    top = EncoderTop(encoder(), 1)
+    top.layers.load_state_dict({n[len(LAYER_PREFIX) :]: t for n, t in layers.items()})
+    hidden, mask = token_states(encoder(), texts, 1).gather(torch.arange(len(texts)))
+    expected = top(hidden, mask)
+    assert (torch.from_numpy(policy.encoder.encode(texts)) - expected).abs().max().item() < 1e-3
+    assert (torch.from_numpy(encoder().encode(texts)) - expected).abs().max().item() > 1e-4
+
+    # Given the base encoder (as `evaluate --encoder` would), the policy still gets its tuned copy.
+    assert Policy.load(result.run_dir, encoder=encoder()).encoder.id == meta["encoder"]["id"]
+    summary = json.loads((result.run_dir / "train.json").read_text())
+    assert summary["encoder_tuning"]["layers"] == 1 and summary["encoder_tuning"]["state_texts"] > 0
+
+
+def test_tuning_is_deterministic_under_a_seed(tmp_path):
+    first = _train_tuned(tmp_path, "bc", "a")
+    second = _train_tuned(tmp_path, "bc", "b")
+    ids = [json.loads((r.run_dir / "policy.json").read_text())["encoder"]["id"] for r in (first, second)]
+    assert ids[0] == ids[1]
+
+
+def test_a_tuned_policy_without_its_layers_file_is_a_clear_error(tmp_path):
+    result = _train_tuned(tmp_path, "bc")
+    (result.run_dir / ENCODER_FILE).unlink()
+    with pytest.raises(UserError, match="encoder.safetensors is missing"):
+        Policy.load(result.run_dir)
+
+
+def test_tuned_layers_refuse_another_base_encoder():
+    with pytest.raises(UserError, match="trained on top of encoder other-0000"):
+        encoder().__class__().load_tuned_layers(EncoderTop(encoder(), 1).layer_state(), base_id="other-0000")
+
+
+@pytest.mark.parametrize(
+    ("algo", "settings", "message"),
+    [
+        ("cql", {"tune_encoder_layers": -1}, "tune_encoder_layers must be >= 0"),
+        ("bc", {"tune_encoder_layers": 7}, "between 1 and the encoder's 6 layers"),
+        ("cql", {"tune_encoder_layers": 1, "encoder_learning_rate": 0.0}, "encoder_learning_rate must be > 0"),
+        ("d3rlpy-cql", {"tune_encoder_layers": 1}, "has no setting tune_encoder_layers"),
+    ],
+)
+def test_bad_tuning_settings_are_one_line_errors(algo, settings, message, tmp_path):
+    with pytest.raises(UserError, match=message):
+        train(fresh_copy(tmp_path / "ds"), algo, tmp_path / "run", steps=2, k=K, encoder=encoder(), settings=settings)
+
+
+def test_fine_tuning_online_keeps_the_tuned_layers(tmp_path):
+    from offline_agent.online.finetune import finetune
+    from offline_agent.online.ppo import PPOConfig
+
+    result = _train_tuned(tmp_path, "cql")
+    out = tmp_path / "ppo"
+    finetune(result.run_dir, SPEC, out, PPOConfig(iterations=1, num_envs=2, num_steps=4, torch_threads=1))
+    assert (out / ENCODER_FILE).read_bytes() == (result.run_dir / ENCODER_FILE).read_bytes()
+    assert Policy.load(out).encoder.id == Policy.load(result.run_dir).encoder.id
