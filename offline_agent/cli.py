@@ -442,6 +442,9 @@ def train_command(
     encoder_lr: float | None = typer.Option(
         None, "--encoder-lr", help="learning rate of the tuned encoder layers [default: 5e-5]"
     ),
+    encoder_lora_rank: int = typer.Option(
+        0, "--encoder-lora-rank", help="tune those layers through LoRA updates of this rank [default: 0 = fully]"
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a policy already in OUT"),
 ) -> None:
     """Train an offline policy on a dataset: CQL over candidate actions, or a baseline."""
@@ -452,6 +455,8 @@ def train_command(
     settings: dict[str, object] = {} if cal_ql else {"cal_ql": False}
     if tune_encoder_layers:
         settings["tune_encoder_layers"] = tune_encoder_layers
+    if encoder_lora_rank:
+        settings["encoder_lora_rank"] = encoder_lora_rank
     if encoder_lr is not None:
         settings["encoder_learning_rate"] = encoder_lr
     result = train(

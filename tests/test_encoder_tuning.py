@@ -69,17 +69,29 @@ def test_the_weights_digest_changes_with_any_weight_and_names_the_tuned_encoder(
     assert tuned_encoder_id("base-0123", state) == f"base-0123-tuned-{digest[:12]}"
 
 
-def _train_tuned(tmp_path, algo, name="run", seed=0):
+def _train_tuned(tmp_path, algo, name="run", seed=0, lora_rank=0):
     dataset = tmp_path / "ds" if (tmp_path / "ds").exists() else fresh_copy(tmp_path / "ds")
     return train(
         dataset, algo, tmp_path / name, steps=30, batch_size=16, seed=seed, k=K, encoder=encoder(),
-        settings={"tune_encoder_layers": 1, "encoder_learning_rate": 1e-3},
+        settings={"tune_encoder_layers": 1, "encoder_learning_rate": 1e-3, "encoder_lora_rank": lora_rank},
     )
 
 
-@pytest.mark.parametrize("algo", ["cql", "bc"])
-def test_a_tuned_run_saves_its_layers_and_plays_with_them(algo, tmp_path):
-    result = _train_tuned(tmp_path, algo)
+def test_lora_starts_as_the_base_layers_and_trains_only_its_updates():
+    full, lora = EncoderTop(encoder(), 1), EncoderTop(encoder(), 1, lora_rank=4)
+    base_state, lora_state = full.layer_state(), lora.layer_state()
+    assert set(base_state) == set(lora_state)
+    assert all(torch.equal(base_state[n], lora_state[n]) for n in base_state)  # B = 0: merged W is W
+    trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
+    # BERT's layer has six Linear layers (query, key, value, attention output, intermediate, output).
+    assert len(trainable) == 12 and all(".lora_" in name for name in trainable)
+    hidden, mask = token_states(encoder(), TEXTS, 1).gather(torch.arange(len(TEXTS)))
+    assert torch.allclose(lora(hidden, mask), full(hidden, mask), atol=1e-6)
+
+
+@pytest.mark.parametrize(("algo", "lora_rank"), [("cql", 0), ("bc", 0), ("bc", 4)])
+def test_a_tuned_run_saves_its_layers_and_plays_with_them(algo, lora_rank, tmp_path):
+    result = _train_tuned(tmp_path, algo, lora_rank=lora_rank)
     meta = json.loads((result.run_dir / "policy.json").read_text())
     layers = load_file(str(result.run_dir / ENCODER_FILE))
     base = encoder().id
@@ -135,6 +147,7 @@ def test_tuned_layers_refuse_another_base_encoder():
         ("cql", {"tune_encoder_layers": -1}, "tune_encoder_layers must be >= 0"),
         ("bc", {"tune_encoder_layers": 7}, "between 1 and the encoder's 6 layers"),
         ("cql", {"tune_encoder_layers": 1, "encoder_learning_rate": 0.0}, "encoder_learning_rate must be > 0"),
+        ("bc", {"tune_encoder_layers": 1, "encoder_lora_rank": -2}, "encoder_lora_rank must be >= 0"),
         ("d3rlpy-cql", {"tune_encoder_layers": 1}, "has no setting tune_encoder_layers"),
     ],
 )

@@ -47,6 +47,9 @@ class BCConfig:
         default=0, metadata={"help": "fine-tune the encoder's top N layers with the loss (0 = frozen features)"}
     )
     encoder_learning_rate: float = field(default=5e-5, metadata={"help": "Adam learning rate of tuned layers"})
+    encoder_lora_rank: int = field(
+        default=0, metadata={"help": "tune the layers through LoRA updates of this rank (0 = the layers themselves)"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})

@@ -70,6 +70,9 @@ class CQLConfig:
         default=0, metadata={"help": "fine-tune the encoder's top N layers with the loss (0 = frozen features)"}
     )
     encoder_learning_rate: float = field(default=5e-5, metadata={"help": "Adam learning rate of tuned layers"})
+    encoder_lora_rank: int = field(
+        default=0, metadata={"help": "tune the layers through LoRA updates of this rank (0 = the layers themselves)"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})
@@ -104,6 +107,10 @@ def check_common(config: Any) -> None:
         raise UserError(
             f"tune_encoder_layers must be >= 0, got {config.tune_encoder_layers}: 0 keeps the encoder frozen, "
             "1 or 2 fine-tune its top layers"
+        )
+    if getattr(config, "encoder_lora_rank", 0) < 0:
+        raise UserError(
+            f"encoder_lora_rank must be >= 0 (0 = train the layers themselves), got {config.encoder_lora_rank}"
         )
     if not getattr(config, "encoder_learning_rate", 1.0) > 0:
         raise UserError(f"encoder_learning_rate must be > 0, got {config.encoder_learning_rate}; e.g. 5e-5")

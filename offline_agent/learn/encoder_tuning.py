@@ -122,22 +122,60 @@ def token_states(encoder: Any, texts: Sequence[str], n_top: int, progress: bool 
     return TokenStates(torch.cat(chunks) if chunks else torch.empty(0, encoder.dim, dtype=torch.float16), offsets)
 
 
+class LoRALinear(nn.Module):
+    """`base(x) + (alpha / r) * x A^T B^T`: a frozen Linear and a trainable rank-r update (Hu et al. 2021).
+
+    B starts at zero, so the layer starts as `base`; `merged_weight` folds the update into one matrix,
+    which is what a checkpoint keeps (decision time runs a plain encoder).
+    """
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_down = nn.Parameter(torch.empty(rank, base.in_features))  # A (r, in)
+        self.lora_up = nn.Parameter(torch.zeros(base.out_features, rank))  # B (out, r)
+        nn.init.kaiming_uniform_(self.lora_down, a=5**0.5)  # nn.Linear's own init
+        self.scale = alpha / rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_down.T @ self.lora_up.T) * self.scale
+
+    def merged_weight(self) -> torch.Tensor:
+        return self.base.weight + self.scale * self.lora_up @ self.lora_down  # (out, in)
+
+
+def add_lora(module: nn.Module, rank: int, alpha: float) -> None:
+    """Freeze `module` and put a `LoRALinear` around each of its Linear layers, in place."""
+    module.requires_grad_(False)
+    for name, child in list(module.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(module, name, LoRALinear(child, rank, alpha))
+        else:
+            add_lora(child, rank, alpha)
+
+
 class EncoderTop(nn.Module):
     """A trainable copy of the encoder's top `n_top` layers, then mean pooling and L2 norm.
 
-    Dropout stays off (eval mode) as when the encoder embeds at decision time: training then sees the
-    vectors the policy will see, and a seeded run is deterministic.
+    With `lora_rank` > 0 the copied layers stay frozen and each of their Linear layers gets a LoRA
+    update of that rank instead (`LoRALinear`). Dropout stays off (eval mode) as when the encoder
+    embeds at decision time: training then sees the vectors the policy will see, and a seeded run is
+    deterministic.
     """
 
-    def __init__(self, encoder: Any, n_top: int):
+    def __init__(self, encoder: Any, n_top: int, lora_rank: int = 0, lora_alpha: float = 16.0):
         super().__init__()
         stack = transformer_layers(encoder.model)
         if not 1 <= n_top <= len(stack):
             raise UserError(
                 f"--tune-encoder-layers must be between 1 and the encoder's {len(stack)} layers, got {n_top}"
             )
+        if lora_rank < 0:
+            raise UserError(f"encoder_lora_rank must be >= 0 (0 = train the layers themselves), got {lora_rank}")
         self.n_top = n_top
         self.layers = nn.ModuleList(copy.deepcopy(layer) for layer in stack[-n_top:]).requires_grad_(True)
+        if lora_rank:
+            add_lora(self.layers, lora_rank, lora_alpha)
         self._base = [encoder.model]  # for the mask helper only: a list keeps it out of the parameters
 
     def train(self, mode: bool = True) -> EncoderTop:
@@ -152,8 +190,16 @@ class EncoderTop(nn.Module):
         return mean_pool(hidden, mask)
 
     def layer_state(self) -> dict[str, torch.Tensor]:
-        """The tuned layers' tensors, as saved in ENCODER_FILE."""
-        return {f"{LAYER_PREFIX}{name}": t.detach().cpu().contiguous() for name, t in self.layers.state_dict().items()}
+        """The tuned layers' tensors under the encoder's own names (LoRA updates merged), as saved in ENCODER_FILE."""
+        state = {
+            name.replace(".base.", "."): t
+            for name, t in self.layers.state_dict().items()
+            if ".lora_" not in name
+        }
+        for name, module in self.layers.named_modules():
+            if isinstance(module, LoRALinear):
+                state[f"{name}.weight"] = module.merged_weight()
+        return {f"{LAYER_PREFIX}{name}": t.detach().cpu().contiguous() for name, t in state.items()}
 
 
 def weights_digest(state: dict[str, torch.Tensor]) -> str:
@@ -174,7 +220,13 @@ class EncoderTuner:
     """
 
     def __init__(
-        self, encoder: Any, features: Features, n_top: int, refresh_every: int = 20, progress: bool = False
+        self,
+        encoder: Any,
+        features: Features,
+        n_top: int,
+        lora_rank: int = 0,
+        refresh_every: int = 20,
+        progress: bool = False,
     ):
         if features.state_texts is None:
             raise ValueError("encoder tuning needs the state texts: build the features with keep_texts=True")
@@ -183,7 +235,8 @@ class EncoderTuner:
         if refresh_every < 1:
             raise UserError(f"refresh_every must be >= 1, got {refresh_every}")
         self.base_id = encoder.id
-        self.top = EncoderTop(encoder, n_top).to(encoder.device)
+        self.top = EncoderTop(encoder, n_top, lora_rank).to(encoder.device)
+        self.lora_rank = lora_rank
         self.device = encoder.device
         distinct = list(dict.fromkeys(features.state_texts))
         where = {text: i for i, text in enumerate(distinct)}
@@ -194,8 +247,9 @@ class EncoderTuner:
         self.action_table = features.action_emb.clone()
         self.refresh_actions()
 
-    def parameters(self) -> Any:
-        return self.top.parameters()
+    def parameters(self) -> list[nn.Parameter]:
+        """The trainable ones: the layers' own, or only the LoRA updates."""
+        return [p for p in self.top.parameters() if p.requires_grad]
 
     def embed_texts(self, states: TokenStates, index: torch.Tensor, chunk: int = 256) -> torch.Tensor:
         """(B, D) vectors of texts `index` (B,) through the tuned layers, with gradient if enabled."""
@@ -247,6 +301,8 @@ class EncoderTuner:
         """What policy.json records of the tuning (the tuned id is the base id and the weights' digest)."""
         return {
             "layers": self.top.n_top,
+            "lora_rank": self.lora_rank,
+            "trainable_parameters": sum(p.numel() for p in self.parameters()),
             "base_id": self.base_id,
             "tuned_id": tuned_encoder_id(self.base_id, self.layer_state()),
             "state_texts": len(self.states),

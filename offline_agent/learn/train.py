@@ -136,7 +136,9 @@ def train(
         features = build_features(ds, encoder, k=k, progress=progress, keep_texts=n_tuned > 0)
     elif features.encoder_id != encoder.id:
         raise ValueError("features were built with another encoder than the one given")
-    tuner = EncoderTuner(encoder, features, n_tuned, progress=progress) if n_tuned else None
+    tuner = None
+    if n_tuned:
+        tuner = EncoderTuner(encoder, features, n_tuned, config.encoder_lora_rank, progress=progress)
 
     start = time.perf_counter()
     with _progress_bar(progress, config.steps, algo) as on_step:
