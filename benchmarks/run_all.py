@@ -28,6 +28,7 @@ BENCHMARKS = [
     ("offline_quality", "offline_quality.py", []),
     ("offline_quality_600", "offline_quality.py", ["--episodes", "600"]),
     ("imitation_ceiling", "imitation_ceiling.py", []),
+    ("encoder_tuning", "encoder_tuning.py", []),
     ("real_logs_auc", "real_logs_auc.py", []),
     ("online", "online.py", []),
 ]

@@ -445,6 +445,9 @@ def train_command(
     encoder_lora_rank: int = typer.Option(
         0, "--encoder-lora-rank", help="tune those layers through LoRA updates of this rank [default: 0 = fully]"
     ),
+    encoder_action_gradient: bool = typer.Option(
+        False, "--encoder-action-gradient", help="tuned layers also learn from the batch's action texts"
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a policy already in OUT"),
 ) -> None:
     """Train an offline policy on a dataset: CQL over candidate actions, or a baseline."""
@@ -457,6 +460,8 @@ def train_command(
         settings["tune_encoder_layers"] = tune_encoder_layers
     if encoder_lora_rank:
         settings["encoder_lora_rank"] = encoder_lora_rank
+    if encoder_action_gradient:
+        settings["encoder_action_gradient"] = True
     if encoder_lr is not None:
         settings["encoder_learning_rate"] = encoder_lr
     result = train(

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from learn_data import K, encoder, fresh_copy
+from learn_data import K, color_lock_dataset, encoder, fresh_copy
 from learn_envs import SPEC
 from safetensors.torch import load_file
 
@@ -69,12 +69,12 @@ def test_the_weights_digest_changes_with_any_weight_and_names_the_tuned_encoder(
     assert tuned_encoder_id("base-0123", state) == f"base-0123-tuned-{digest[:12]}"
 
 
-def _train_tuned(tmp_path, algo, name="run", seed=0, lora_rank=0):
+def _train_tuned(tmp_path, algo, name="run", seed=0, lora_rank=0, action_gradient=False):
     dataset = tmp_path / "ds" if (tmp_path / "ds").exists() else fresh_copy(tmp_path / "ds")
-    return train(
-        dataset, algo, tmp_path / name, steps=30, batch_size=16, seed=seed, k=K, encoder=encoder(),
-        settings={"tune_encoder_layers": 1, "encoder_learning_rate": 1e-3, "encoder_lora_rank": lora_rank},
-    )
+    settings = {"tune_encoder_layers": 1, "encoder_learning_rate": 1e-3, "encoder_lora_rank": lora_rank,
+                "encoder_action_gradient": action_gradient}
+    return train(dataset, algo, tmp_path / name, steps=30, batch_size=16, seed=seed, k=K, encoder=encoder(),
+                 settings=settings)
 
 
 def test_lora_starts_as_the_base_layers_and_trains_only_its_updates():
@@ -89,9 +89,11 @@ def test_lora_starts_as_the_base_layers_and_trains_only_its_updates():
     assert torch.allclose(lora(hidden, mask), full(hidden, mask), atol=1e-6)
 
 
-@pytest.mark.parametrize(("algo", "lora_rank"), [("cql", 0), ("bc", 0), ("bc", 4)])
-def test_a_tuned_run_saves_its_layers_and_plays_with_them(algo, lora_rank, tmp_path):
-    result = _train_tuned(tmp_path, algo, lora_rank=lora_rank)
+@pytest.mark.parametrize(
+    ("algo", "lora_rank", "action_gradient"), [("cql", 0, False), ("bc", 0, True), ("bc", 4, False)]
+)
+def test_a_tuned_run_saves_its_layers_and_plays_with_them(algo, lora_rank, action_gradient, tmp_path):
+    result = _train_tuned(tmp_path, algo, lora_rank=lora_rank, action_gradient=action_gradient)
     meta = json.loads((result.run_dir / "policy.json").read_text())
     layers = load_file(str(result.run_dir / ENCODER_FILE))
     base = encoder().id
@@ -120,6 +122,26 @@ def test_a_tuned_run_saves_its_layers_and_plays_with_them(algo, lora_rank, tmp_p
     assert Policy.load(result.run_dir, encoder=encoder()).encoder.id == meta["encoder"]["id"]
     summary = json.loads((result.run_dir / "train.json").read_text())
     assert summary["encoder_tuning"]["layers"] == 1 and summary["encoder_tuning"]["state_texts"] > 0
+    assert summary["encoder_tuning"]["action_gradient"] is action_gradient
+
+
+@pytest.mark.parametrize("action_gradient", [False, True])
+def test_actions_teach_the_layers_only_with_action_gradient(action_gradient):
+    from offline_agent.learn.encoder_tuning import EncoderTuner
+    from offline_agent.learn.features import build_features, make_batch
+
+    features = build_features(color_lock_dataset(), encoder(), k=K, keep_texts=True)
+    tuner = EncoderTuner(encoder(), features, 1, action_gradient=action_gradient)
+    rows = torch.arange(8)
+    batch = tuner.batch(make_batch(features, rows, torch.Generator().manual_seed(0)), rows, features, step=1)
+    assert batch.state.requires_grad
+    assert batch.cand.requires_grad is action_gradient and batch.action.requires_grad is action_gradient
+    if action_gradient:
+        batch.cand.sum().backward()  # a loss of the candidates' vectors alone reaches the layers
+        assert max(p.grad.abs().max().item() for p in tuner.parameters()) > 0
+    # Either way the batch's vectors are the tuned encoder's, which starts as the frozen one.
+    assert torch.allclose(batch.state, features.state_emb[rows], atol=1e-3)
+    assert torch.allclose(batch.cand, features.action_emb[batch.cand_ids.clamp(min=0)], atol=1e-3)
 
 
 def test_tuning_is_deterministic_under_a_seed(tmp_path):

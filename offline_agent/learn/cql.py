@@ -73,6 +73,9 @@ class CQLConfig:
     encoder_lora_rank: int = field(
         default=0, metadata={"help": "tune the layers through LoRA updates of this rank (0 = the layers themselves)"}
     )
+    encoder_action_gradient: bool = field(
+        default=False, metadata={"help": "tuned layers also learn from the batch's action texts (slower)"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})

@@ -11,9 +11,9 @@ runs only the top L layers, the mean pooling and the L2 norm (`EncoderTop`).
 What gets a gradient: the states of the batch (current states; next states are only used in the TD
 target, without gradient). Actions share the encoder's weights, so their embeddings move with it: the
 table of every action's vector is recomputed without gradient every `refresh_every` steps
-(`EncoderTuner.refresh_actions`). Scoring a batch's candidates with gradient would cost several times
-the states' compute (dozens of distinct candidate texts per state), for a side of the problem that
-frozen features already separate well (an action text is short).
+(`EncoderTuner.refresh_actions`). With `action_gradient` the batch's logged actions and candidates are
+embedded with gradient too, at a few times the states' compute (several distinct candidate texts per
+state).
 
 The tuned layers are saved next to the policy (`RUN/encoder.safetensors`); `TextEncoder.load_tuned_layers`
 puts them into a fresh copy of the base encoder at decision time, and the encoder's id becomes
@@ -225,6 +225,7 @@ class EncoderTuner:
         features: Features,
         n_top: int,
         lora_rank: int = 0,
+        action_gradient: bool = False,
         refresh_every: int = 20,
         progress: bool = False,
     ):
@@ -244,7 +245,7 @@ class EncoderTuner:
         self.states = token_states(encoder, distinct, n_top, progress)
         self.actions = token_states(encoder, features.vocab, n_top, progress)
         self.refresh_every = refresh_every
-        self.action_table = features.action_emb.clone()
+        self.action_gradient = action_gradient
         self.refresh_actions()
 
     def parameters(self) -> list[nn.Parameter]:
@@ -273,8 +274,10 @@ class EncoderTuner:
     ) -> Batch:
         """`batch` (drawn by `make_batch` for `rows`) with the tuned encoder's vectors in place of the frozen ones.
 
-        Refreshes the action table first when `step` is a multiple of `refresh_every`. Without
-        `next_states` (BC, which has no TD target) the next states keep their frozen vectors.
+        Refreshes the action table first when `step` is a multiple of `refresh_every`. With
+        `action_gradient`, the logged actions and candidates of the batch are embedded afresh, with
+        gradient (a few times the states' compute). Without `next_states` (BC, which has no TD target)
+        the next states keep their frozen vectors.
         """
         if step % self.refresh_every == 0:
             self.refresh_actions()
@@ -285,6 +288,9 @@ class EncoderTuner:
                 nxt = features.next_index[rows].clamp(min=0)  # rows without one are `done`: not bootstrapped
                 next_state = self.embed_texts(self.states, self.state_index[nxt])
         table = self.action_table.to(state.device)
+        if self.action_gradient:
+            ids = torch.unique(torch.cat([batch.action_id, batch.cand_ids[batch.cand_ids >= 0]]))  # (U,)
+            table = table.index_copy(0, ids.to(table.device), self.embed_texts(self.actions, ids))
         return replace(
             batch,
             state=state,
@@ -302,6 +308,7 @@ class EncoderTuner:
         return {
             "layers": self.top.n_top,
             "lora_rank": self.lora_rank,
+            "action_gradient": self.action_gradient,
             "trainable_parameters": sum(p.numel() for p in self.parameters()),
             "base_id": self.base_id,
             "tuned_id": tuned_encoder_id(self.base_id, self.layer_state()),

@@ -138,7 +138,9 @@ def train(
         raise ValueError("features were built with another encoder than the one given")
     tuner = None
     if n_tuned:
-        tuner = EncoderTuner(encoder, features, n_tuned, config.encoder_lora_rank, progress=progress)
+        tuner = EncoderTuner(
+            encoder, features, n_tuned, config.encoder_lora_rank, config.encoder_action_gradient, progress=progress
+        )
 
     start = time.perf_counter()
     with _progress_bar(progress, config.steps, algo) as on_step:
