@@ -7,7 +7,9 @@ problem there is (BC on expert logs, which succeed every time), so that only the
 
 - frozen: the library default;
 - top layer: the encoder's last transformer layer trained with the BC loss (`tune_encoder_layers=1`);
-- LoRA: the same layer frozen, with rank-8 LoRA updates on its Linear layers (`encoder_lora_rank=8`).
+- LoRA: the same layer frozen, with rank-8 LoRA updates on its Linear layers (`encoder_lora_rank=8`);
+- top layer, actions too: the top layer trained from the batch's action texts as well as its states
+  (`encoder_action_gradient=True`; otherwise actions follow the layer without gradient).
 
 Each learner trains `--steps` steps of batch `--batch-size` (small: every tuned step runs a transformer
 layer forward and backward over the batch's states on the CPU) and plays `--eval-episodes` fresh
@@ -37,6 +39,8 @@ VARIANTS = {
     "frozen": {},
     "top layer": {"tune_encoder_layers": 1, "encoder_learning_rate": 1e-4},
     "LoRA r=8": {"tune_encoder_layers": 1, "encoder_lora_rank": 8, "encoder_learning_rate": 1e-3},
+    "top layer, actions too": {"tune_encoder_layers": 1, "encoder_learning_rate": 1e-4,
+                               "encoder_action_gradient": True},
 }
 
 
@@ -72,7 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--envs", nargs="*", default=ENVS)
     parser.add_argument("--episodes", type=int, default=150, help="expert episodes logged per simulator")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--eval-episodes", type=int, default=50)
     parser.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -92,7 +96,8 @@ def main() -> None:
                         "BC on the expert's logs (greedy)", "train min"], rows)
         + f"\n\n{args.episodes} expert episodes per simulator; BC {args.steps} steps of batch {args.batch_size}; "
         f"top layer: MiniLM's last layer trained at lr 1e-4; LoRA: rank 8 (alpha 16) on that layer's six Linear "
-        f"layers at lr 1e-3; the head at 3e-4 everywhere. Training fit: geometric-mean probability of the "
+        f"layers at lr 1e-3; actions too: the top layer also learns from the batch's action texts; the head at "
+        f"3e-4 everywhere. Training fit: geometric-mean probability of the "
         f"expert's action on the last batch. {args.eval_episodes} fresh episodes (seeds from {EVAL_SEED}) with "
         f"95% Wilson intervals; {args.threads} torch threads. Whole run: "
         f"{(time.perf_counter() - started) / 60:.1f} min."

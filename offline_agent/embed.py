@@ -160,6 +160,8 @@ class TextEncoder:
 
         `base_id`, if given, must be this encoder's id: tuned layers only fit the model they were cut from.
         """
+        from torch import nn
+
         from offline_agent.learn.encoder_tuning import LAYER_PREFIX, transformer_layers, tuned_encoder_id
 
         if base_id is not None and base_id != self.id:
@@ -172,7 +174,7 @@ class TextEncoder:
         stack = transformer_layers(self.model)
         if not names or n_top > len(stack) or len(state) != sum(1 for k in state if k.startswith(LAYER_PREFIX)):
             raise UserError(f"tuned encoder layers hold unexpected tensors ({len(state)}): the file is damaged")
-        top = torch_module_list(stack[-n_top:])
+        top = nn.ModuleList(stack[-n_top:])  # shares the layers' parameters: loading it loads them
         try:
             top.load_state_dict({key[len(LAYER_PREFIX) :]: t for key, t in state.items()}, strict=True)
         except RuntimeError as exc:
@@ -216,13 +218,6 @@ class TextEncoder:
 
     def __repr__(self) -> str:
         return f"TextEncoder({self.id!r}, dim={self.dim}, max_length={self.max_length}, device={self.device})"
-
-
-def torch_module_list(modules: Sequence[Any]) -> Any:
-    """`nn.ModuleList` of existing modules (shares their parameters), for loading a state dict into a slice."""
-    from torch import nn
-
-    return nn.ModuleList(modules)
 
 
 class _progress:

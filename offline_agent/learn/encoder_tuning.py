@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -320,7 +319,3 @@ class EncoderTuner:
 def tuned_encoder_id(base_id: str, state: dict[str, torch.Tensor]) -> str:
     return f"{base_id}-tuned-{weights_digest(state)[:12]}"
 
-
-def cached_megabytes(n_tokens: int, dim: int) -> float:
-    """Memory the float16 lower-layer states of `n_tokens` tokens take, in MB (for the run summary)."""
-    return float(np.float16(0).nbytes * n_tokens * dim / 1e6)
