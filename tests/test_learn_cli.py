@@ -81,6 +81,24 @@ def test_train_then_evaluate_every_algorithm(algo, dataset, tmp_path, monkeypatc
     assert {"mean_return", "mean_steps", "mean_retries_to_recover"} <= set(report)
 
 
+def test_train_with_a_tuned_encoder_then_evaluate(dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    result = runner.invoke(
+        app, ["train", str(dataset), "--algo", "bc", "--out", str(run), "--steps", "10", "--batch-size", "8",
+              "--k", "0", "--tune-encoder-layers", "1", "--encoder-lora-rank", "2", "--encoder-action-gradient",
+              "--encoder-lr", "1e-3"],
+    )
+    assert result.exit_code == 0, result.output
+    tuning = json.loads((run / "train.json").read_text())["encoder_tuning"]
+    assert (tuning["layers"], tuning["lora_rank"], tuning["action_gradient"]) == (1, 2, True)
+    assert json.loads((run / "policy.json").read_text())["config"]["encoder_learning_rate"] == 1e-3
+    assert (run / "encoder.safetensors").is_file()
+    result = runner.invoke(app, ["evaluate", str(run), "--env", SPEC, "--episodes", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["episodes"] == 2
+
+
 def test_evaluate_prints_a_summary_and_estimates_fqe_on_held_out_logs(dataset, tmp_path):
     run = tmp_path / "run"
     assert runner.invoke(app, ["train", str(dataset), "--out", str(run), "--steps", "10", "--k", "0"]).exit_code == 0
@@ -104,6 +122,9 @@ def test_evaluate_a_behaviour_policy_spec():
         (["train", "{ds}", "--out", "{tmp}/r", "--algo", "sac"], "unknown algorithm 'sac'"),
         (["train", "{tmp}/missing", "--out", "{tmp}/r"], "is not a dataset"),
         (["train", "{ds}", "--out", "{tmp}/r", "--algo", "bc", "--alpha", "1"], "drop --alpha"),
+        (["train", "{ds}", "--out", "{tmp}/r", "--algo", "d3rlpy-cql", "--tune-encoder-layers", "1"],
+         "has no setting tune_encoder_layers"),
+        (["train", "{ds}", "--out", "{tmp}/r", "--tune-encoder-layers", "9"], "between 1 and the encoder's 6 layers"),
         (["evaluate", "{tmp}", "--env", SPEC], "holds no policy checkpoint"),
         (["evaluate", "{tmp}"], "evaluate needs --env ENV"),
         (["evaluate", "behaviour:sometimes", "--env", SPEC], "unknown policy 'sometimes'"),
