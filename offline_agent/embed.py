@@ -22,7 +22,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -194,30 +194,43 @@ class TextEncoder:
 
         texts = list(texts)
         out = np.empty((len(texts), self.dim), dtype=np.float32)
-        # Longest first, so that each batch pads to similar lengths (less wasted compute), as
-        # sentence-transformers does; rows are written back to their original positions.
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        starts = range(0, len(texts), self.batch_size)
         with _progress(progress, len(texts), "encoding") as advance, torch.inference_mode():
-            for start in starts:
-                idx = order[start : start + self.batch_size]
-                batch = self.tokenizer(
-                    [texts[i] for i in idx],
-                    padding=True,
-                    truncation=True,
-                    max_length=self.max_length,
-                    return_tensors="pt",
-                ).to(self.device)
+            for idx, batch in self.tokenized_batches(texts):
                 hidden = self.model(**batch).last_hidden_state  # (B, T, D)
-                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)  # (B, T) -> (B, T, 1)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (B, T, D) -> (B, D)
-                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
-                out[idx] = pooled.float().cpu().numpy()
+                out[idx] = mean_pool(hidden, batch["attention_mask"]).float().cpu().numpy()
                 advance(len(idx))
         return out
 
+    def tokenized_batches(self, texts: Sequence[str]) -> Iterator[tuple[list[int], Any]]:
+        """(positions in `texts`, tokenized batch on the encoder's device), `batch_size` texts at a time,
+        cut at `max_length` tokens.
+
+        Longest first, so that each batch pads to similar lengths (less wasted compute), as
+        sentence-transformers does; callers write results back to the positions given.
+        """
+        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+        for start in range(0, len(texts), self.batch_size):
+            idx = order[start : start + self.batch_size]
+            batch = self.tokenizer(
+                [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            )
+            yield idx, batch.to(self.device)
+
     def __repr__(self) -> str:
         return f"TextEncoder({self.id!r}, dim={self.dim}, max_length={self.max_length}, device={self.device})"
+
+
+def mean_pool(hidden: Any, attention_mask: Any) -> Any:
+    """Unit vector of the mean over unmasked tokens: hidden (B, T, D), attention_mask (B, T) -> (B, D).
+
+    The sentence-transformers recipe of all-MiniLM-L6-v2; encoder tuning pools with it too, so that a tuned
+    encoder starts from the frozen vectors.
+    """
+    import torch
+
+    weights = attention_mask.unsqueeze(-1).to(hidden.dtype)  # (B, T) -> (B, T, 1)
+    pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)  # (B, T, D) -> (B, D)
+    return torch.nn.functional.normalize(pooled, p=2, dim=1)
 
 
 class _progress:

@@ -22,7 +22,7 @@ import torch
 
 from offline_agent.errors import UserError
 from offline_agent.learn.cql import OnStep, check_common, optimizer_for, train_rows
-from offline_agent.learn.encoder_tuning import EncoderTuner
+from offline_agent.learn.encoder_tuning import EncoderTuner, EncoderTuningSettings
 from offline_agent.learn.features import Features, make_batch
 from offline_agent.learn.networks import QNetwork, masked
 
@@ -30,7 +30,7 @@ METRICS = ("loss/bc", "policy/data_prob")
 
 
 @dataclass
-class BCConfig:
+class BCConfig(EncoderTuningSettings):
     """Settings of a BC run; `filter_fraction` < 1 makes it filtered BC."""
 
     steps: int = field(default=2000, metadata={"help": "gradient steps"})
@@ -43,22 +43,13 @@ class BCConfig:
         default=1.0, metadata={"help": "clone only episodes in this top fraction of return (1 = plain BC)"}
     )
     n_sampled_candidates: int = field(default=16, metadata={"help": "candidates sampled where the log has none"})
-    tune_encoder_layers: int = field(
-        default=0, metadata={"help": "fine-tune the encoder's top N layers with the loss (0 = frozen features)"}
-    )
-    encoder_learning_rate: float = field(default=5e-5, metadata={"help": "Adam learning rate of tuned layers"})
-    encoder_lora_rank: int = field(
-        default=0, metadata={"help": "tune the layers through LoRA updates of this rank (0 = the layers themselves)"}
-    )
-    encoder_action_gradient: bool = field(
-        default=False, metadata={"help": "tuned layers also learn from the batch's action texts (slower)"}
-    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})
 
     def __post_init__(self) -> None:
         check_common(self)
+        self.check_encoder_tuning()
         if not 0.0 < self.filter_fraction <= 1.0:
             raise UserError(
                 f"filter_fraction must be in (0, 1], got {self.filter_fraction}: e.g. 0.2 clones the best 20% "

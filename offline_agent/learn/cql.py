@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from offline_agent.errors import UserError
-from offline_agent.learn.encoder_tuning import EncoderTuner
+from offline_agent.learn.encoder_tuning import EncoderTuner, EncoderTuningSettings
 from offline_agent.learn.features import Batch, Features, make_batch
 from offline_agent.learn.networks import QNetwork, masked
 
@@ -48,7 +48,7 @@ METRICS = ("loss/total", "loss/td", "loss/cql", "q/data_mean", "q/ood_gap", "q/t
 
 
 @dataclass
-class CQLConfig:
+class CQLConfig(EncoderTuningSettings):
     """Settings of a CQL run; `__post_init__` rejects values that cannot work, naming the fix."""
 
     steps: int = field(default=2000, metadata={"help": "gradient steps"})
@@ -66,22 +66,13 @@ class CQLConfig:
     )
     state_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on phi(s)"})
     action_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on psi(a)"})
-    tune_encoder_layers: int = field(
-        default=0, metadata={"help": "fine-tune the encoder's top N layers with the loss (0 = frozen features)"}
-    )
-    encoder_learning_rate: float = field(default=5e-5, metadata={"help": "Adam learning rate of tuned layers"})
-    encoder_lora_rank: int = field(
-        default=0, metadata={"help": "tune the layers through LoRA updates of this rank (0 = the layers themselves)"}
-    )
-    encoder_action_gradient: bool = field(
-        default=False, metadata={"help": "tuned layers also learn from the batch's action texts (slower)"}
-    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})
 
     def __post_init__(self) -> None:
         check_common(self)
+        self.check_encoder_tuning()
         if self.alpha < 0:
             raise UserError(f"alpha must be >= 0, got {self.alpha}: use e.g. --alpha 1.0 (0 turns CQL into DQN)")
         if not 0.0 < self.target_update_rate <= 1.0:
@@ -106,17 +97,6 @@ def check_common(config: Any) -> None:
         raise UserError(f"device must be cpu, cuda or cuda:N, got {config.device!r}")
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {config.device}: no CUDA device is available here; use --device cpu")
-    if getattr(config, "tune_encoder_layers", 0) < 0:
-        raise UserError(
-            f"tune_encoder_layers must be >= 0, got {config.tune_encoder_layers}: 0 keeps the encoder frozen, "
-            "1 or 2 fine-tune its top layers"
-        )
-    if getattr(config, "encoder_lora_rank", 0) < 0:
-        raise UserError(
-            f"encoder_lora_rank must be >= 0 (0 = train the layers themselves), got {config.encoder_lora_rank}"
-        )
-    if not getattr(config, "encoder_learning_rate", 1.0) > 0:
-        raise UserError(f"encoder_learning_rate must be > 0, got {config.encoder_learning_rate}; e.g. 5e-5")
 
 
 # --- the math --------------------------------------------------------------------------------------

@@ -28,18 +28,49 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from offline_agent.embed import mean_pool
 from offline_agent.errors import UserError
 from offline_agent.learn.features import Batch, Features
 
 ENCODER_FILE = "encoder.safetensors"
 #: Prefix of the tuned layers' tensors in ENCODER_FILE: `layers.<i>.<name>` for the i-th of the top L.
 LAYER_PREFIX = "layers."
+
+
+@dataclass
+class EncoderTuningSettings:
+    """The encoder-tuning fields of the learners that can tune it (`CQLConfig`, `BCConfig` inherit them)."""
+
+    tune_encoder_layers: int = field(
+        default=0, metadata={"help": "fine-tune the encoder's top N layers with the loss (0 = frozen features)"}
+    )
+    encoder_learning_rate: float = field(default=5e-5, metadata={"help": "Adam learning rate of tuned layers"})
+    encoder_lora_rank: int = field(
+        default=0, metadata={"help": "tune the layers through LoRA updates of this rank (0 = the layers themselves)"}
+    )
+    encoder_action_gradient: bool = field(
+        default=False, metadata={"help": "tuned layers also learn from the batch's action texts (slower)"}
+    )
+
+    def check_encoder_tuning(self) -> None:
+        """One-line errors for values that cannot work (called by the configs' `__post_init__`)."""
+        if self.tune_encoder_layers < 0:
+            raise UserError(
+                f"tune_encoder_layers must be >= 0, got {self.tune_encoder_layers}: 0 keeps the encoder frozen, "
+                "1 or 2 fine-tune its top layers"
+            )
+        if self.encoder_lora_rank < 0:
+            raise UserError(
+                f"encoder_lora_rank must be >= 0 (0 = train the layers themselves), got {self.encoder_lora_rank}"
+            )
+        if not self.encoder_learning_rate > 0:
+            raise UserError(f"encoder_learning_rate must be > 0, got {self.encoder_learning_rate}; e.g. 5e-5")
 
 
 def transformer_layers(model: nn.Module) -> nn.ModuleList:
@@ -62,16 +93,6 @@ def layer_mask(model: nn.Module, attention_mask: torch.Tensor, hidden: torch.Ten
     from transformers.masking_utils import create_bidirectional_mask
 
     return create_bidirectional_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask)
-
-
-def mean_pool(hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Unit vector of the mean over unmasked tokens: hidden (B, T, D), mask (B, T) -> (B, D).
-
-    The sentence-transformers recipe of `TextEncoder.encode`, so that tuning starts from the frozen vectors.
-    """
-    weights = mask.unsqueeze(-1).to(hidden.dtype)  # (B, T, 1)
-    pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
-    return nn.functional.normalize(pooled, p=2, dim=1)
 
 
 @dataclass
@@ -103,19 +124,14 @@ def token_states(encoder: Any, texts: Sequence[str], n_top: int, progress: bool 
 
     model, n_layers = encoder.model, len(transformer_layers(encoder.model))
     chunks: list[torch.Tensor] = [torch.empty(0, encoder.dim, dtype=torch.float16)] * len(texts)
-    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-    with _progress(progress, len(texts), "encoder states"), torch.inference_mode():
-        for start in range(0, len(texts), encoder.batch_size):
-            idx = order[start : start + encoder.batch_size]
-            batch = encoder.tokenizer(
-                [texts[i] for i in idx], padding=True, truncation=True, max_length=encoder.max_length,
-                return_tensors="pt",
-            ).to(encoder.device)
+    with _progress(progress, len(texts), "encoder states") as advance, torch.inference_mode():
+        for idx, batch in encoder.tokenized_batches(texts):
             hidden = model(**batch, output_hidden_states=True).hidden_states[n_layers - n_top]  # (B, T, D)
             lengths = batch["attention_mask"].sum(1).tolist()
             for row, i in enumerate(idx):
                 # Right padding (BERT tokenizers): a text's tokens are the first `length` positions.
                 chunks[i] = hidden[row, : lengths[row]].to(torch.float16).cpu()
+            advance(len(idx))
     offsets = torch.zeros(len(texts) + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(torch.tensor([c.shape[0] for c in chunks], dtype=torch.int64), 0)
     return TokenStates(torch.cat(chunks) if chunks else torch.empty(0, encoder.dim, dtype=torch.float16), offsets)

@@ -156,9 +156,9 @@ def train(
         "dim": encoder.dim,
         "max_length": getattr(encoder, "max_length", None),
     }
-    if tuner is not None:
+    tuning = tuner.describe() if tuner is not None else None
+    if tuning is not None:
         # The policy's values are of the tuned encoder's vectors: it is the encoder it must be played with.
-        tuning = tuner.describe()
         encoder_meta.update(id=tuning["tuned_id"], tuned={"layers": tuning["layers"], "base_id": tuning["base_id"]})
     meta = {
         "algo": algo,
@@ -177,7 +177,7 @@ def train(
         "train_seconds": round(seconds, 3),
         "steps_per_second": round(config.steps / seconds, 2) if seconds > 0 else None,
         "embedding_cache": {"hits": features.cache_hits, "misses": features.cache_misses},
-        "encoder_tuning": tuner.describe() if tuner is not None else None,
+        "encoder_tuning": tuning,
         "final_metrics": final,
     }
     _write_json(out / SUMMARY_FILE, summary)
