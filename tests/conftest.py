@@ -20,3 +20,14 @@ def real_data() -> Path:
     if not REAL.is_dir():
         pytest.skip("../shared/data/real is absent (real agent logs live beside the checkout, not in it)")
     return REAL
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One torch thread for the test: two cores shared by several test processes run faster without contention."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

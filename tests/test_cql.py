@@ -32,13 +32,7 @@ from offline_agent.learn.train import make_config, train
 T = torch.tensor
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Two cores shared by several test processes: one thread per process is faster than contention.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --- exact values on hand-built tensors --------------------------------------------------------------

@@ -7,7 +7,6 @@ import json
 import learn_data
 import polars as pl
 import pytest
-import torch
 from learn_envs import SPEC
 from typer.testing import CliRunner
 
@@ -17,12 +16,7 @@ from offline_agent.evaluate import EpisodeOutcome, recovery_lengths, summarize, 
 runner = CliRunner()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
