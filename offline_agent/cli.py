@@ -448,6 +448,10 @@ def train_command(
     encoder_action_gradient: bool = typer.Option(
         False, "--encoder-action-gradient", help="tuned layers also learn from the batch's action texts"
     ),
+    grounding: bool = typer.Option(
+        False, "--grounding", help="cql/bc: score each candidate with its grounding in the state (argument values "
+        "found in the task and observations, repeats)"
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a policy already in OUT"),
 ) -> None:
     """Train an offline policy on a dataset: CQL over candidate actions, or a baseline."""
@@ -464,6 +468,8 @@ def train_command(
         settings["encoder_action_gradient"] = True
     if encoder_lr is not None:
         settings["encoder_learning_rate"] = encoder_lr
+    if grounding:
+        settings["grounding"] = True
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
         encoder=encoder, k=k, overwrite=overwrite, progress=sys.stderr.isatty(), settings=settings,

@@ -73,3 +73,74 @@ class ColorLock(gym.Env):
 
 def make_color_lock(**kwargs: Any) -> ColorLock:
     return ColorLock(**kwargs)
+
+
+CODE_LOCK_SPEC = "learn_envs:make_code_lock"
+
+
+def enter(code: str) -> dict[str, Any]:
+    return {"name": "enter_code", "arguments": {"code": code}}
+
+
+class CodeLock(gym.Env):
+    """Type the code each keypad shows: the right call is the one whose argument occurs in the observation.
+
+    Every keypad shows a fresh random 4-digit code and offers four `enter_code` calls, the right one and
+    three made-up codes, in a random order; so a policy must check the call's value against the text,
+    which a sentence embedding of each carries poorly and grounding (`offline_agent.learn.grounding`)
+    states exactly. A wrong code is an error observation and the keypad stays.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, keypads: int = 2, max_steps: int = 4):
+        self.keypads, self.max_steps = keypads, max_steps
+        self.observation_space = observation_space()
+        self.action_space = spaces.Discrete(4)
+        self.task = "Open the doors: at each keypad, enter the code it shows."
+
+    def _code(self) -> str:
+        return f"{int(self.np_random.integers(1000, 10000))}"
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self.steps, self.keypad = 0, 0
+        self.codes = [self._code() for _ in range(self.keypads)]
+        self._offer()
+        return self._obs(f"Keypad 1 of {self.keypads} shows code {self.codes[0]}."), {"task": self.task}
+
+    def _offer(self) -> None:
+        right = self.codes[self.keypad]
+        wrong: list[str] = []
+        while len(wrong) < 3:
+            code = self._code()
+            if code != right and code not in wrong:
+                wrong.append(code)
+        calls = [enter(right), *(enter(c) for c in wrong)]
+        self.candidates = tuple(calls[int(i)] for i in self.np_random.permutation(4))
+
+    def _obs(self, text: str) -> dict[str, Any]:
+        return {"text": text, "candidates": self.candidates}
+
+    def expert_action(self) -> int:
+        return self.candidates.index(enter(self.codes[self.keypad]))
+
+    def step(self, action):
+        self.steps += 1
+        code = self.candidates[int(action)]["arguments"]["code"]
+        info = {"success": False, "is_error": False}
+        if code == self.codes[self.keypad]:
+            self.keypad += 1
+            if self.keypad == self.keypads:
+                self.candidates = ()
+                return self._obs("The last door opens."), 1.0, True, False, {**info, "success": True}
+            text = f"A door opens. Keypad {self.keypad + 1} of {self.keypads} shows code {self.codes[self.keypad]}."
+        else:
+            info["is_error"] = True
+            text = f"ERROR wrong code {code}. Keypad {self.keypad + 1} still shows code {self.codes[self.keypad]}."
+        self._offer()
+        return self._obs(text), 0.0, False, self.steps >= self.max_steps, info
+
+
+def make_code_lock(**kwargs: Any) -> CodeLock:
+    return CodeLock(**kwargs)

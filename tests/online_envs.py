@@ -130,8 +130,11 @@ def tiny_encoder_folder(path: Path, dim: int = 32) -> Path:
     return path
 
 
-def tiny_checkpoint(run: Path, encoder_folder: Path, tau: float = 1.0, hidden: int = 32, seed: int = 0) -> Path:
-    """An offline checkpoint with a freshly initialised twin-Q network over the tiny encoder (k = 2 turns)."""
+def tiny_checkpoint(
+    run: Path, encoder_folder: Path, tau: float = 1.0, hidden: int = 32, seed: int = 0, pair_dim: int = 0
+) -> Path:
+    """An offline checkpoint with a freshly initialised twin-Q network over the tiny encoder (k = 2 turns);
+    with `pair_dim`, a grounded one (its random grounding weights make the grounding matter)."""
     import torch
 
     from offline_agent.embed import TextEncoder
@@ -140,7 +143,7 @@ def tiny_checkpoint(run: Path, encoder_folder: Path, tau: float = 1.0, hidden: i
 
     encoder = TextEncoder(str(encoder_folder), max_length=64)
     torch.manual_seed(seed)
-    network = QNetwork(encoder.dim, hidden=hidden, n_heads=2)
+    network = QNetwork(encoder.dim, hidden=hidden, n_heads=2, pair_dim=pair_dim)
     meta = {
         "algo": "cql",
         "encoder": {"id": encoder.id, "path": encoder.path, "dim": encoder.dim, "max_length": 64},

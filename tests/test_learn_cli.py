@@ -93,6 +93,23 @@ def test_train_with_a_tuned_encoder_then_evaluate(dataset, tmp_path, monkeypatch
     assert json.loads(result.stdout)["episodes"] == 2
 
 
+def test_train_a_grounded_policy_then_evaluate_it_with_fqe(dataset, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    result = runner.invoke(
+        app, ["train", str(dataset), "--out", str(run), "--steps", "20", "--batch-size", "16", "--k", "0",
+              "--grounding"],
+    )
+    assert result.exit_code == 0, result.output
+    policy = json.loads((run / "policy.json").read_text())
+    assert policy["config"]["grounding"] is True and policy["network"]["pair_dim"] == 8
+    result = runner.invoke(app, ["evaluate", str(run), "--env", SPEC, "--episodes", "2", "--json",
+                                 "--dataset", str(dataset), "--fqe-steps", "10"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["episodes"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
 def test_evaluate_prints_a_summary_and_estimates_fqe_on_held_out_logs(dataset, tmp_path):
     run = tmp_path / "run"
     assert runner.invoke(app, ["train", str(dataset), "--out", str(run), "--steps", "10", "--k", "0"]).exit_code == 0
@@ -118,6 +135,7 @@ def test_evaluate_a_behaviour_policy_spec():
         (["train", "{ds}", "--out", "{tmp}/r", "--algo", "bc", "--alpha", "1"], "drop --alpha"),
         (["train", "{ds}", "--out", "{tmp}/r", "--algo", "d3rlpy-cql", "--tune-encoder-layers", "1"],
          "has no setting tune_encoder_layers"),
+        (["train", "{ds}", "--out", "{tmp}/r", "--algo", "d3rlpy-cql", "--grounding"], "has no setting grounding"),
         (["train", "{ds}", "--out", "{tmp}/r", "--tune-encoder-layers", "9"], "between 1 and the encoder's 6 layers"),
         (["evaluate", "{tmp}", "--env", SPEC], "holds no policy checkpoint"),
         (["evaluate", "{tmp}"], "evaluate needs --env ENV"),

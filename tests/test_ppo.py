@@ -134,17 +134,31 @@ def _trainer(run, **settings):
     return PPOTrainer(Policy.load(run), "online_envs:make_widget", config)
 
 
-@pytest.mark.parametrize("policy_init", ["residual", "copy"])
-def test_at_iteration_zero_the_policy_is_the_offline_policy(tiny_run, policy_init):
+@pytest.fixture(scope="module")
+def tiny_grounded_run(tmp_path_factory):
+    """A checkpoint whose network also reads each candidate's grounding (`offline_agent.learn.grounding`)."""
+    from online_envs import tiny_checkpoint, tiny_encoder_folder
+
+    from offline_agent.learn.grounding import PAIR_DIM
+
+    root = tmp_path_factory.mktemp("tiny-grounded")
+    return tiny_checkpoint(root / "run", tiny_encoder_folder(root / "encoder"), pair_dim=PAIR_DIM)
+
+
+@pytest.mark.parametrize(
+    ("policy_init", "run_fixture"), [("residual", "tiny_run"), ("copy", "tiny_run"), ("residual", "tiny_grounded_run")]
+)
+def test_at_iteration_zero_the_policy_is_the_offline_policy(request, policy_init, run_fixture):
     torch.set_num_threads(1)
+    tiny_run = request.getfixturevalue(run_fixture)
     trainer = _trainer(tiny_run, policy_init=policy_init)
     try:
         observations, infos = trainer.envs.reset(trainer.env_seeds(0))
         for i, info in enumerate(infos):
             trainer.featurizer.start(i, info["task"])
-        state, cands, mask = trainer.featurizer.tensors(observations)
+        state, cands, mask, pair = trainer.featurizer.tensors(observations)
         with torch.no_grad():
-            probs = torch.softmax(trainer.model.logits(state, cands, mask), -1)
+            probs = torch.softmax(trainer.model.logits(state, cands, mask, pair), -1)
         reference = trainer.reference
         for i, observation in enumerate(observations):
             text = reference.render(trainer.featurizer.histories[i], observation["text"])

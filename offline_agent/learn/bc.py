@@ -24,6 +24,7 @@ from offline_agent.errors import UserError
 from offline_agent.learn.cql import OnStep, check_common, optimizer_for, train_rows
 from offline_agent.learn.encoder_tuning import EncoderTuner, EncoderTuningSettings
 from offline_agent.learn.features import Features, make_batch
+from offline_agent.learn.grounding import PAIR_DIM
 from offline_agent.learn.networks import QNetwork, masked
 
 METRICS = ("loss/bc", "policy/data_prob")
@@ -43,6 +44,7 @@ class BCConfig(EncoderTuningSettings):
         default=1.0, metadata={"help": "clone only episodes in this top fraction of return (1 = plain BC)"}
     )
     n_sampled_candidates: int = field(default=16, metadata={"help": "candidates sampled where the log has none"})
+    grounding: bool = field(default=False, metadata={"help": "score each candidate with its grounding in the state"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})
@@ -87,17 +89,19 @@ def train_bc(
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     rows = top_episode_rows(features, train_rows(features), config.filter_fraction)
-    net = QNetwork(features.dim, config.hidden, n_heads=1).to(config.device)
+    grounding = features.grounding_table() if config.grounding else None
+    net = QNetwork(features.dim, config.hidden, n_heads=1, pair_dim=PAIR_DIM if config.grounding else 0)
+    net = net.to(config.device)
     optimizer = optimizer_for(net, config, tuner)
     history: list[dict[str, float]] = []
     for step in range(1, config.steps + 1):
         pick = rows[torch.randint(rows.shape[0], (config.batch_size,), generator=generator)]
-        batch = make_batch(features, pick, generator, config.n_sampled_candidates)
+        batch = make_batch(features, pick, generator, config.n_sampled_candidates, grounding=grounding)
         if tuner is not None:
             batch = tuner.batch(batch, pick, features, step, next_states=False)
         batch = batch.to(config.device)
         cand_all = torch.cat([batch.action[:, None, :], batch.cand], 1)  # (B, 1 + C, D)
-        logits = net.all_heads(batch.state, cand_all)[0]  # (1, B, 1 + C) -> (B, 1 + C)
+        logits = net.all_heads(batch.state, cand_all, batch.pair)[0]  # (1, B, 1 + C) -> (B, 1 + C)
         loss = bc_loss(logits[:, 0], logits[:, 1:], batch.cand_mask).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

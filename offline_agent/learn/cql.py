@@ -38,6 +38,7 @@ import torch
 from offline_agent.errors import UserError
 from offline_agent.learn.encoder_tuning import EncoderTuner, EncoderTuningSettings
 from offline_agent.learn.features import Batch, Features, make_batch
+from offline_agent.learn.grounding import PAIR_DIM
 from offline_agent.learn.networks import QNetwork, masked
 
 #: Called after each gradient step with the step number and, on log steps, the metric record.
@@ -66,6 +67,7 @@ class CQLConfig(EncoderTuningSettings):
     )
     state_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on phi(s)"})
     action_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on psi(a)"})
+    grounding: bool = field(default=False, metadata={"help": "score each candidate with its grounding in the state"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})
@@ -184,13 +186,18 @@ def cql_loss(q_net: QNetwork, target_net: QNetwork, batch: Batch, config: CQLCon
     """TD (both heads) + alpha * conservative penalty (both heads) on one batch."""
     # Candidates as ids into the action table: each distinct action's block is computed once.
     ids = torch.cat([batch.action_id[:, None], batch.cand_ids.clamp(min=0)], 1)  # (B, 1 + C)
-    q = q_net.all_heads_by_id(batch.state, batch.action_table, ids)  # (K, B, 1 + C)
+    q = q_net.all_heads_by_id(batch.state, batch.action_table, ids, batch.pair)  # (K, B, 1 + C)
     q_data, q_cand = q[:, :, 0], q[:, :, 1:]  # (K, B), (K, B, C)
     with torch.no_grad():
-        q_next = q_net.all_heads_by_id(batch.next_state, batch.action_table, batch.next_cand_ids)  # (K, B, C')
+        q_next = q_net.all_heads_by_id(
+            batch.next_state, batch.action_table, batch.next_cand_ids, batch.next_pair
+        )  # (K, B, C')
         a_star = double_q_action(q_next.min(0).values, batch.next_mask)  # (B,)
-        next_id = batch.next_cand_ids[torch.arange(a_star.shape[0]), a_star][:, None]  # (B, C') -> (B, 1)
-        v_next = target_net.all_heads_by_id(batch.next_state, batch.action_table, next_id).min(0).values[:, 0]
+        rows = torch.arange(a_star.shape[0])
+        next_id = batch.next_cand_ids[rows, a_star][:, None]  # (B, C') -> (B, 1)
+        next_pair = None if batch.next_pair is None else batch.next_pair[rows, a_star][:, None]  # (B, 1, P)
+        v_next = target_net.all_heads_by_id(batch.next_state, batch.action_table, next_id, next_pair)
+        v_next = v_next.min(0).values[:, 0]  # (K, B, 1) -> (B,)
         y = td_target(batch.reward, batch.done, config.gamma, v_next)
     td = (q_data - y[None, :]).pow(2).mean(1).sum()  # (K, B) -> (K,) -> ()
     floor = batch.return_to_go if config.cal_ql else None
@@ -248,15 +255,21 @@ def train_cql(
     generator = torch.Generator().manual_seed(config.seed)
     return_to_go = features.returns_to_go(config.gamma)
     rows = train_rows(features)
+    grounding = features.grounding_table() if config.grounding else None
     q_net = QNetwork(
-        features.dim, config.hidden, config.n_heads, config.state_adapter, config.action_adapter
+        features.dim,
+        config.hidden,
+        config.n_heads,
+        config.state_adapter,
+        config.action_adapter,
+        pair_dim=PAIR_DIM if config.grounding else 0,
     ).to(config.device)
     target_net = copy.deepcopy(q_net).requires_grad_(False)
     optimizer = optimizer_for(q_net, config, tuner)
     history: list[dict[str, float]] = []
     for step in range(1, config.steps + 1):
         pick = rows[torch.randint(rows.shape[0], (config.batch_size,), generator=generator)]
-        batch = make_batch(features, pick, generator, config.n_sampled_candidates, return_to_go)
+        batch = make_batch(features, pick, generator, config.n_sampled_candidates, return_to_go, grounding)
         if tuner is not None:
             batch = tuner.batch(batch, pick, features, step)
         loss = cql_loss(q_net, target_net, batch.to(config.device), config)

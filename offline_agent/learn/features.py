@@ -19,7 +19,7 @@ C candidate slots of a step, B batch rows, M sampled candidates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,7 @@ from offline_agent.rewards import discounted_returns
 
 if TYPE_CHECKING:
     from offline_agent.dataset import TrajectoryDataset
+    from offline_agent.learn.grounding import GroundingTable
 
 SPLITS = ("train", "valid", "test")
 STEP_COLUMNS = ["episode_id", "step", "action", "reward", "return_to_go", "terminated", "candidates"]
@@ -65,6 +66,18 @@ class Features:
     state_texts: list[str] | None = None  # N, kept for diagnostics (aliasing, the AUC benchmark)
     cache_hits: int = 0  # distinct texts found in the embedding cache when these features were built
     cache_misses: int = 0  # distinct texts that had to be encoded
+    _grounding: GroundingTable | None = field(default=None, repr=False)
+
+    def grounding_table(self) -> GroundingTable:
+        """The grounding of (step, vocabulary action) pairs (`offline_agent.learn.grounding`), built on first use
+        and shared by every learner that trains on these features."""
+        from offline_agent.learn.grounding import GroundingTable
+
+        if self._grounding is None:
+            if self.state_texts is None:
+                raise ValueError("grounding reads the state texts: build the features with keep_texts=True")
+            self._grounding = GroundingTable(self.state_texts, self.vocab, self.action_id, self.episode_index)
+        return self._grounding
 
     @property
     def n_steps(self) -> int:
@@ -235,6 +248,9 @@ class Batch:
     # The dataset's action embeddings, which every id above indexes: the next step's candidates are kept
     # as ids, so that a network can score each distinct action once (`QNetwork.all_heads_by_id`).
     action_table: torch.Tensor  # (V, D)
+    # Grounding of each (state, action) pair (`grounding.py`), only for networks that read it.
+    pair: torch.Tensor | None = None  # (B, 1 + C, P): the data action, then `cand`'s slots
+    next_pair: torch.Tensor | None = None  # (B, C', P), aligned with next_cand_ids
 
     def __post_init__(self) -> None:
         b = self.state.shape[0]
@@ -242,9 +258,13 @@ class Batch:
         assert self.cand.shape[:2] == self.cand_mask.shape and self.next_cand_ids.shape == self.next_mask.shape
         assert all(t.shape[0] == b for t in (self.action, self.reward, self.done, self.return_to_go))
         assert self.cand_mask.dtype == torch.bool and self.next_mask.dtype == torch.bool
+        if self.pair is not None:
+            assert self.pair.shape[:2] == (b, 1 + self.cand.shape[1]) and self.next_pair is not None
+            assert self.next_pair.shape[:2] == self.next_cand_ids.shape
 
     def to(self, device: str | torch.device) -> Batch:
-        return Batch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Batch(**{name: None if v is None else v.to(device) for name, v in values.items()})
 
 
 def candidate_sets(
@@ -274,10 +294,12 @@ def make_batch(
     generator: torch.Generator,
     n_sampled: int = 16,
     return_to_go: torch.Tensor | None = None,
+    grounding: GroundingTable | None = None,
 ) -> Batch:
     """The transitions of `rows` (B,) with their candidate sets (see `Batch`).
 
     `return_to_go` (N,) replaces the dataset's column (a learner with another gamma than the dataset's).
+    With `grounding` (`Features.grounding_table()`), the batch carries each pair's grounding too.
     """
     action_id = features.action_id[rows]  # (B,)
     cand_ids = candidate_sets(features, rows, action_id, generator, n_sampled)  # (B, C)
@@ -293,6 +315,10 @@ def make_batch(
     next_ids = torch.cat([next_ids, next_action[:, None]], 1)  # (B, C') -> (B, C'+1)
     next_mask = torch.cat([next_ids[:, :-1] >= 0, next_action_new], 1)
 
+    pair = next_pair = None
+    if grounding is not None:
+        pair = grounding.lookup(rows, torch.cat([action_id[:, None], cand_ids], 1))  # (B, 1 + C, P)
+        next_pair = grounding.lookup(nxt, torch.where(next_mask, next_ids, -1))  # (B, C'+1, P)
     emb = features.action_emb
     return Batch(
         state=features.state_emb[rows],
@@ -309,6 +335,8 @@ def make_batch(
         next_mask=next_mask,
         return_to_go=(features.return_to_go if return_to_go is None else return_to_go)[rows],
         action_table=emb,
+        pair=pair,
+        next_pair=next_pair,
     )
 
 

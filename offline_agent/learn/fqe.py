@@ -92,7 +92,10 @@ def policy_distribution(
         sl = slice(start, start + chunk)
         state = features.state_emb[rows[sl]].to(device)
         cand = features.action_emb[ids[sl].clamp(min=0)].to(device)  # (b, C) -> (b, C, D)
-        q = network.q_values(state, cand, mask[sl].to(device)).cpu()  # (b, C)
+        pair = None
+        if getattr(network, "pair_dim", 0):
+            pair = features.grounding_table().lookup(rows[sl], torch.where(mask[sl], ids[sl], -1)).to(device)
+        q = network.q_values(state, cand, mask[sl].to(device), pair).cpu()  # (b, C)
         if greedy:
             probs[sl] = torch.nn.functional.one_hot(q.argmax(1), ids.shape[1]).float()
         else:

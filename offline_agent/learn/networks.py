@@ -1,13 +1,16 @@
 """The networks that score actions: plain `torch.nn.Module`s with one shared method, `q_values`.
 
-`q_values(state_emb (B, D), cand_emb (B, C, D), mask (B, C)) -> (B, C)` is the
-contract: every learner's network answers it (CQL's Q, BC's logits, FQE's Q,
-the export of d3rlpy's DiscreteCQL), the `Policy` turns it into
+`q_values(state_emb (B, D), cand_emb (B, C, D), mask (B, C), pair=None) -> (B, C)`
+is the contract: every learner's network answers it (CQL's Q, BC's logits,
+FQE's Q, the export of d3rlpy's DiscreteCQL), the `Policy` turns it into
 `softmax(q / tau)`, and the online PPO stage initialises its policy head from a
-checkpoint's network through it. Masked-out slots come back as -inf.
+checkpoint's network through it. Masked-out slots come back as -inf. `pair`
+(B, C, P) holds features of each (state, candidate) pair (`grounding.py`); a
+network reads it only if its `pair_dim` is P > 0, and then it is required.
 
 - `QNetwork`: Q(s, a) = MLP([phi(s), psi(a), phi(s) * psi(a)]) with K heads (twin Q for CQL), optionally
-  with small residual adapters that make the frozen state or action embeddings trainable.
+  with small residual adapters that make the frozen state or action embeddings trainable, and optionally
+  with the pair's grounding g(s, a) as a fourth input block.
 - `VocabQNetwork`: an MLP from phi(s) to one value per vocabulary action (d3rlpy's architecture); a candidate
   is scored as its nearest vocabulary action by embedding (an exact match for a known action).
 - `ResidualQNetwork`: a frozen copy of another network plus a trainable `QNetwork` correction that starts at
@@ -15,7 +18,8 @@ checkpoint's network through it. Masked-out slots come back as -inf.
 
 `build_network(config)` rebuilds either from the `network` entry of a checkpoint's policy.json.
 
-Dimension letters: B batch, C candidate slots, D embedding width, H hidden width, K heads, V vocabulary.
+Dimension letters: B batch, C candidate slots, D embedding width, H hidden width, K heads, V vocabulary,
+P pair features.
 """
 
 from __future__ import annotations
@@ -51,24 +55,35 @@ class Adapter(nn.Module):
 
 
 class QHead(nn.Module):
-    """One Q function: relu(W_s s + W_a a + W_sa (s * a) + b) -> H -> 1.
+    """One Q function: relu(W_s s + W_a a + W_sa (s * a) [+ W_g g] + b) -> H -> 1.
 
-    The first layer is a Linear over the concatenation [s, a, s * a] written as three blocks, so that the
+    The first layer is a Linear over the concatenation [s, a, s * a (, g)] written as blocks, so that the
     state block runs once per state (B, H) instead of once per candidate (B, C, H): the same function,
-    a third less compute.
+    a third less compute. g (B, C, P) is the pair's grounding, when the head has `pair_dim` P > 0.
     """
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, pair_dim: int = 0):
         super().__init__()
         self.w_state = nn.Linear(dim, hidden)
         self.w_action = nn.Linear(dim, hidden, bias=False)
         self.w_product = nn.Linear(dim, hidden, bias=False)
+        self.w_pair = nn.Linear(pair_dim, hidden, bias=False) if pair_dim else None
         self.mlp = nn.Sequential(nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
-    def forward(self, s: torch.Tensor, a: torch.Tensor, a_hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """s (B, D), a (B, C, D) -> (B, C). `a_hidden` (B, C, H), if given, is `w_action(a)` computed already."""
+    def forward(
+        self,
+        s: torch.Tensor,
+        a: torch.Tensor,
+        a_hidden: torch.Tensor | None = None,
+        pair: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """s (B, D), a (B, C, D), pair (B, C, P) -> (B, C). `a_hidden` (B, C, H), if given, is `w_action(a)`."""
         a_hidden = self.w_action(a) if a_hidden is None else a_hidden
         h = self.w_state(s)[:, None, :] + a_hidden + self.w_product(s[:, None, :] * a)  # (B, C, H)
+        if self.w_pair is not None:
+            if pair is None:
+                raise ValueError("this network scores (state, candidate) pairs with their grounding: pass `pair`")
+            h = h + self.w_pair(pair)
         return self.mlp(h).squeeze(-1)  # (B, C, 1) -> (B, C)
 
 
@@ -85,13 +100,14 @@ class QNetwork(nn.Module):
         state_adapter: bool = False,
         action_adapter: bool = False,
         adapter_hidden: int = 128,
+        pair_dim: int = 0,
     ):
         super().__init__()
-        self.dim, self.hidden, self.n_heads = dim, hidden, n_heads
+        self.dim, self.hidden, self.n_heads, self.pair_dim = dim, hidden, n_heads, pair_dim
         self.state_adapter = Adapter(dim, adapter_hidden) if state_adapter else None
         self.action_adapter = Adapter(dim, adapter_hidden) if action_adapter else None
         self.adapter_hidden = adapter_hidden
-        self.heads = nn.ModuleList(QHead(dim, hidden) for _ in range(n_heads))
+        self.heads = nn.ModuleList(QHead(dim, hidden, pair_dim) for _ in range(n_heads))
         # Unit embeddings have coordinates of size ~1/sqrt(D); scaling them to ~1 suits the default init.
         self.scale = math.sqrt(dim)
 
@@ -105,19 +121,24 @@ class QNetwork(nn.Module):
             "state_adapter": self.state_adapter is not None,
             "action_adapter": self.action_adapter is not None,
             "adapter_hidden": self.adapter_hidden,
+            "pair_dim": self.pair_dim,
         }
 
-    def all_heads(self, state_emb: torch.Tensor, cand_emb: torch.Tensor) -> torch.Tensor:
-        """state_emb (B, D), cand_emb (B, C, D) -> (K, B, C) Q-values of every head (no mask)."""
+    def all_heads(
+        self, state_emb: torch.Tensor, cand_emb: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """state_emb (B, D), cand_emb (B, C, D), pair (B, C, P) -> (K, B, C) Q-values of every head (no mask)."""
         s, a = state_emb, cand_emb
         if self.state_adapter is not None:
             s = self.state_adapter(s)
         if self.action_adapter is not None:
             a = self.action_adapter(a)
         s, a = s * self.scale, a * self.scale
-        return torch.stack([head(s, a) for head in self.heads])
+        return torch.stack([head(s, a, pair=pair) for head in self.heads])
 
-    def all_heads_by_id(self, state_emb: torch.Tensor, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def all_heads_by_id(
+        self, state_emb: torch.Tensor, table: torch.Tensor, ids: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """`all_heads(state_emb, table[ids])` for candidates given as rows of an action table (V, D), ids
         (B, C) int64 -> (K, B, C). Training draws its candidates from the dataset's action vocabulary and
         a batch repeats them, so the action block of the first layer runs once per distinct action of the
@@ -132,11 +153,13 @@ class QNetwork(nn.Module):
             actions = self.action_adapter(actions)
         s, actions = s * self.scale, actions * self.scale
         a = actions[where]  # (U, D) -> (B, C, D)
-        return torch.stack([head(s, a, head.w_action(actions)[where]) for head in self.heads])
+        return torch.stack([head(s, a, head.w_action(actions)[where], pair) for head in self.heads])
 
-    def q_values(self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def q_values(
+        self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """(B, C) min over heads, -inf where mask (B, C) is False."""
-        return masked(self.all_heads(state_emb, cand_emb).min(0).values, mask)
+        return masked(self.all_heads(state_emb, cand_emb, pair).min(0).values, mask)
 
 
 class VocabQNetwork(nn.Module):
@@ -148,6 +171,7 @@ class VocabQNetwork(nn.Module):
     """
 
     kind = "vocab_q"
+    pair_dim = 0  # d3rlpy's network sees states only
 
     def __init__(self, dim: int, n_actions: int, hidden: int = 256):
         super().__init__()
@@ -167,7 +191,9 @@ class VocabQNetwork(nn.Module):
         """cand_emb (B, C, D) -> (B, C) int64 vocabulary id of the most similar action."""
         return (cand_emb @ self.vocab_emb.T).argmax(-1)  # (B, C, D) @ (D, V) -> (B, C, V) -> (B, C)
 
-    def q_values(self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def q_values(
+        self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> torch.Tensor:
         q = self.all_actions(state_emb).gather(1, self.nearest_action(cand_emb))  # (B, V) -> (B, C)
         return masked(q, mask)
 
@@ -187,7 +213,8 @@ class ResidualQNetwork(nn.Module):
         super().__init__()
         self.base = build_network(base).requires_grad_(False)
         self.dim = int(self.base.dim)  # a base may itself be residual (a fine-tuned policy fine-tuned again)
-        self.correction = QNetwork(self.dim, hidden, n_heads=1)
+        self.pair_dim = int(self.base.pair_dim)  # the correction sees what the base sees
+        self.correction = QNetwork(self.dim, hidden, n_heads=1, pair_dim=self.pair_dim)
         last = self.correction.heads[0].mlp[-1]
         nn.init.zeros_(last.weight)
         nn.init.zeros_(last.bias)
@@ -203,9 +230,11 @@ class ResidualQNetwork(nn.Module):
     def config(self) -> dict[str, Any]:
         return {"kind": self.kind, "base": self.base.config(), "hidden": self.hidden, "scale": self.scale}
 
-    def q_values(self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        base = self.base.q_values(state_emb, cand_emb, mask)
-        return base + self.scale * self.correction.q_values(state_emb, cand_emb, mask)  # -inf stays -inf
+    def q_values(
+        self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        base = self.base.q_values(state_emb, cand_emb, mask, pair)
+        return base + self.scale * self.correction.q_values(state_emb, cand_emb, mask, pair)  # -inf stays -inf
 
 
 def build_network(config: dict[str, Any]) -> nn.Module:

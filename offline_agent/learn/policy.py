@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 
 from offline_agent.actions import ActionError, canonical_action
 from offline_agent.errors import UserError
+from offline_agent.learn.grounding import grounding_batch
 from offline_agent.learn.networks import build_network
 
 if TYPE_CHECKING:
@@ -253,8 +254,16 @@ class Policy:
     # --- scoring -----------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def score_batch(self, state_texts: Sequence[str], candidates: Sequence[Sequence[Any]]) -> list[np.ndarray]:
-        """Q-values (or BC logits) of each state's candidates: one (C_i,) float32 array per state."""
+    def score_batch(
+        self,
+        state_texts: Sequence[str],
+        candidates: Sequence[Sequence[Any]],
+        taken: Sequence[Sequence[str]] | None = None,
+    ) -> list[np.ndarray]:
+        """Q-values (or BC logits) of each state's candidates: one (C_i,) float32 array per state.
+
+        `taken` (each episode's actions so far, canonical texts) is what a grounded network
+        (`offline_agent.learn.grounding`) checks repeats against; without it, the state text's own turns."""
         cand_lists = [candidate_texts(c) for c in candidates]
         if any(not c for c in cand_lists):
             raise UserError("a decision needs at least one candidate action, got an empty list")
@@ -269,7 +278,10 @@ class Policy:
             cand[i, : len(c)] = vectors[offset : offset + len(c)]
             mask[i, : len(c)] = True
             offset += len(c)
-        q = self.network.q_values(state.to(self.device), cand.to(self.device), mask.to(self.device)).cpu()
+        pair = None
+        if getattr(self.network, "pair_dim", 0):
+            pair = grounding_batch(state_texts, cand_lists, width, taken).to(self.device)  # (B, C, P)
+        q = self.network.q_values(state.to(self.device), cand.to(self.device), mask.to(self.device), pair).cpu()
         return [q[i, : len(c)].numpy().astype(np.float32) for i, c in enumerate(cand_lists)]
 
     def score(self, state_text: str, candidates: Sequence[Any]) -> np.ndarray:
@@ -295,7 +307,8 @@ class Policy:
         """One decision in each of several episodes at once (one encoder call); records each turn."""
         texts = [str(o.get("text", "")) for o in observations]
         states = [self.render(h, t) for h, t in zip(histories, texts, strict=True)]
-        scores = self.score_batch(states, [o["candidates"] for o in observations])
+        taken = [[action for _, action in h.turns] for h in histories]
+        scores = self.score_batch(states, [o["candidates"] for o in observations], taken)
         choices = []
         for history, text, obs, q in zip(histories, texts, observations, scores, strict=True):
             if self.greedy:

@@ -112,6 +112,7 @@ from torch import nn
 from offline_agent.actions import canonical_action
 from offline_agent.envs.loading import task_text
 from offline_agent.errors import UserError
+from offline_agent.learn.grounding import PAIR_DIM, grounding_batch
 from offline_agent.learn.networks import ResidualQNetwork
 from offline_agent.online.kl import (
     AdaptiveKLController,
@@ -353,9 +354,11 @@ class ActorCritic(nn.Module):
             nn.init.zeros_(self.value_mlp[-1].bias)
         self.scale = math.sqrt(dim)  # unit embeddings have coordinates ~1/sqrt(D)
 
-    def logits(self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """state (B, D), cands (B, C, D), mask (B, C) -> (B, C), -inf where masked."""
-        return self.policy_head.q_values(state, cands, mask) / self.tau
+    def logits(
+        self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """state (B, D), cands (B, C, D), mask (B, C), pair (B, C, P) or None -> (B, C), -inf where masked."""
+        return self.policy_head.q_values(state, cands, mask, pair) / self.tau
 
     def value(self, state: torch.Tensor, ref_value: torch.Tensor) -> torch.Tensor:
         """state (B, D), ref_value (B,) = V_ref(s) -> (B,)."""
@@ -393,6 +396,7 @@ class Featurizer:
         self.histories = [EpisodeHistory() for _ in range(num_envs)]
         self.max_candidates = max_candidates
         self.dim = int(reference.encoder.dim)
+        self.grounded = bool(getattr(reference.network, "pair_dim", 0))  # the policy reads each pair's grounding
         self.memo: dict[str, np.ndarray] = {}
         self.encoded = 0
 
@@ -413,7 +417,8 @@ class Featurizer:
         return np.stack([self.memo[t] for t in texts])
 
     def tensors(self, observations: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
-        """state (N, D), cands (N, C, D), mask (N, C) of N observations; candidate texts in `self.last_actions`."""
+        """state (N, D), cands (N, C, D), mask (N, C) and pair (N, C, P) (None unless the policy is grounded)
+        of N observations; candidate texts in `self.last_actions`."""
         states = [self.reference.render(h, o["text"]) for h, o in zip(self.histories, observations, strict=True)]
         self.last_actions = [[canonical_action(c) for c in o["candidates"]] for o in observations]
         lengths = [len(c) for c in self.last_actions]
@@ -431,7 +436,11 @@ class Featurizer:
             cands[i, :n] = vectors[offset : offset + n]
             mask[i, :n] = True
             offset += n
-        return state, cands, mask
+        pair = None
+        if self.grounded:
+            taken = [[action for _, action in h.turns] for h in self.histories]
+            pair = grounding_batch(states, self.last_actions, self.max_candidates, taken)  # (N, C, P)
+        return state, cands, mask, pair
 
 
 # --- the trainer -------------------------------------------------------------------------------------
@@ -490,6 +499,7 @@ class PPOTrainer:
         # Rollout storage, preallocated with its shape.
         self.obs_state = torch.zeros(T, N, D)
         self.obs_cands = torch.zeros(T, N, C, D)
+        self.obs_pair = torch.zeros(T, N, C, PAIR_DIM) if self.featurizer.grounded else None
         self.masks = torch.zeros(T, N, C, dtype=torch.bool)
         self.actions = torch.zeros(T, N, dtype=torch.long)
         self.logprobs = torch.zeros(T, N)
@@ -511,20 +521,23 @@ class PPOTrainer:
 
     @torch.no_grad()
     def reference_policy(
-        self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor
+        self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, pair: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """log pi_ref (N, C) over the candidates and the offline critic's V_ref(s) (N,) of N observations."""
-        ref_q = self.reference_net.q_values(state, cands, mask)  # (N, C)
+        ref_q = self.reference_net.q_values(state, cands, mask, pair)  # (N, C)
         ref_logp = masked_log_softmax(ref_q / self.tau, mask)
         return ref_logp, expected_value(ref_logp, ref_q, mask)
 
     @torch.no_grad()
-    def policy_step(self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    def policy_step(
+        self, state: torch.Tensor, cands: torch.Tensor, mask: torch.Tensor, pair: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
         """Sample actions and everything the rollout stores about them, for N observations."""
         dev = self.device
         state, cands, mask = state.to(dev), cands.to(dev), mask.to(dev)
-        logp = masked_log_softmax(self.model.logits(state, cands, mask), mask)  # (N, C)
-        ref_logp, ref_value = self.reference_policy(state, cands, mask)
+        pair = None if pair is None else pair.to(dev)
+        logp = masked_log_softmax(self.model.logits(state, cands, mask, pair), mask)  # (N, C)
+        ref_logp, ref_value = self.reference_policy(state, cands, mask, pair)
         action = torch.multinomial(logp.exp().cpu(), 1, generator=self.generator).squeeze(1)  # (N,)
         return {
             "action": action,
@@ -544,8 +557,8 @@ class PPOTrainer:
         beta = self.kl_controller.beta
         stats = self.collect_rollout(beta)
         with torch.no_grad():
-            state, cands, mask = self.featurizer.tensors(self.observations)
-            _, ref_value = self.reference_policy(state, cands, mask)
+            state, cands, mask, pair = self.featurizer.tensors(self.observations)
+            _, ref_value = self.reference_policy(state, cands, mask, pair)
             next_value = self.model.value(state, ref_value)
         advantages, returns = gae(self.rewards, self.values, self.dones, next_value, c.gamma, c.gae_lambda)
         update = self.update(advantages, returns, beta)
@@ -578,9 +591,11 @@ class PPOTrainer:
         observations, running_return, running_length = self.observations, self.running_return, self.running_length
         successes, episode_returns, episode_lengths, safety_truncated = [], [], [], 0
         for t in range(c.num_steps):
-            state, cands, mask = f.tensors(observations)
-            out = self.policy_step(state, cands, mask)
+            state, cands, mask, pair = f.tensors(observations)
+            out = self.policy_step(state, cands, mask, pair)
             self.obs_state[t], self.obs_cands[t], self.masks[t] = state, cands, mask
+            if self.obs_pair is not None:
+                self.obs_pair[t] = pair
             self.actions[t], self.logprobs[t], self.values[t] = out["action"], out["logprob"], out["value"]
             self.ref_values[t], self.ref_logps[t], self.kls[t] = out["ref_value"], out["ref_logp"], out["kl"]
             actions = out["action"].tolist()
@@ -636,6 +651,7 @@ class PPOTrainer:
         b_state = self.obs_state.reshape(-1, D).to(dev)  # (T, N, D) -> (B, D)
         b_cands = self.obs_cands.reshape(-1, C, D).to(dev)  # (T, N, C, D) -> (B, C, D)
         b_mask = self.masks.reshape(-1, C).to(dev)  # (T, N, C) -> (B, C)
+        b_pair = None if self.obs_pair is None else self.obs_pair.reshape(-1, C, PAIR_DIM).to(dev)  # (B, C, P)
         b_actions = self.actions.reshape(-1).to(dev)  # (T, N) -> (B,)
         b_logprobs = self.logprobs.reshape(-1).to(dev)
         b_ref_values = self.ref_values.reshape(-1).to(dev)
@@ -653,7 +669,9 @@ class PPOTrainer:
             for start in range(0, c.batch_size - c.minibatch_size + 1, c.minibatch_size):
                 mb = order[start : start + c.minibatch_size].to(dev)
                 mb_mask = b_mask[mb]
-                logp = masked_log_softmax(self.model.logits(b_state[mb], b_cands[mb], mb_mask), mb_mask)  # (b, C)
+                mb_pair = None if b_pair is None else b_pair[mb]
+                logits = self.model.logits(b_state[mb], b_cands[mb], mb_mask, mb_pair)
+                logp = masked_log_softmax(logits, mb_mask)  # (b, C)
                 new_logp = logp.gather(1, b_actions[mb][:, None]).squeeze(1)  # (b,)
                 mb_advantages = normalize(b_advantages[mb]) if c.norm_adv else b_advantages[mb]
                 pg = clipped_policy_loss(new_logp, b_logprobs[mb], mb_advantages, c.clip_coef)

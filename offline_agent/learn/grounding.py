@@ -1,0 +1,223 @@
+"""Grounding: a few exact facts about a candidate action *in* its episode, for the scoring networks.
+
+A sentence encoder embeds the state and the action separately, so a network that sees phi(s) and
+psi(a) cannot check what a tool-calling agent's worst mistakes are made of: an argument value that
+appears nowhere in the conversation (an e-mail address with a made-up domain, a card's last four
+digits reversed, an order id from another ticket), or a call the agent already made, sent again. Two
+independent 384-float vectors carry "is this string somewhere in that text" poorly, however the head
+is trained, and the state text only shows the last k turns; a string search over the text and a set
+lookup over the episode's earlier actions answer both exactly, in microseconds.
+
+`grounding(state_text, action_text, taken)` returns P = len(GROUNDING_FEATURES) numbers in [0, 1]:
+
+| feature | what it says |
+|---|---|
+| `is_call` | the action is a tool call (else a message) |
+| `has_values` | the call has at least one argument value (a string or number) |
+| `values_in_context` | fraction of its values that occur in the task or an observation of the state text |
+| `values_in_observation` | fraction of its values that occur in the current (last) observation |
+| `name_in_observation` | the tool's name occurs in the current observation (errors name the call to make) |
+| `taken_before` | this exact action was taken earlier in the episode |
+| `tool_used_before` | a call to this tool was made earlier in the episode |
+| `repeats_last` | this exact action was the last one taken |
+
+"Occurs" is a case-insensitive match that does not start or end inside a word, so the value `7`
+does not occur in `17`. The state text is the one `offline_agent.embed.render_state` writes (task
+line, `[obs]` / `[act]` turns, current observation); values the agent itself wrote in earlier calls
+do not count as context: grounding is in what the user, the task or a tool said. `taken` is every
+action of the episode so far (training reads it from the log, a policy from its history); without
+it, the `[act]` lines of the state text stand in. A network takes these as an extra input per
+(state, candidate) pair: `q_values(..., pair=(B, C, P))`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from offline_agent.actions import TOOL_CALL, parse_action
+
+GROUNDING_FEATURES = (
+    "is_call",
+    "has_values",
+    "values_in_context",
+    "values_in_observation",
+    "name_in_observation",
+    "taken_before",
+    "tool_used_before",
+    "repeats_last",
+)
+PAIR_DIM = len(GROUNDING_FEATURES)
+OBS, ACT, TASK = "[obs] ", "[act] ", "Task: "
+
+
+def argument_values(arguments: Any) -> Iterator[str]:
+    """The scalar values of a call's arguments (nested lists and objects included), as lowercase strings.
+
+    Booleans and empty strings are left out: they say nothing about where a value came from.
+    """
+    if isinstance(arguments, dict):
+        for value in arguments.values():
+            yield from argument_values(value)
+    elif isinstance(arguments, list):
+        for value in arguments:
+            yield from argument_values(value)
+    elif isinstance(arguments, bool) or arguments is None:
+        return
+    elif isinstance(arguments, (int, float, str)):
+        text = str(arguments).strip().lower()
+        if text:
+            yield text
+
+
+@lru_cache(maxsize=65536)
+def _pattern(value: str) -> re.Pattern[str]:
+    # Word boundaries by hand: \b fails next to a value's own punctuation ("@mail.example.com", "-1").
+    return re.compile(r"(?<!\w)" + re.escape(value) + r"(?!\w)")
+
+
+def occurs(value: str, text: str) -> bool:
+    """`value` (lowercase) occurs in `text` (lowercase), neither starting nor ending inside a word."""
+    return value in text and _pattern(value).search(text) is not None
+
+
+def split_state(state_text: str) -> tuple[str, str, list[str]]:
+    """(context, current observation, actions taken) of a rendered state; context and observation lowercase.
+
+    The context is the task and every observation; the actions are the `[act]` blocks, oldest first. A
+    line that starts no block continues the one before it (observations span lines). A text that is not
+    a rendered state (a bare prompt) is all context and all current observation.
+    """
+    blocks: list[tuple[str, list[str]]] = []  # (kind, lines)
+    for line in state_text.split("\n"):
+        if line.startswith(OBS):
+            blocks.append((OBS, [line[len(OBS) :]]))
+        elif line.startswith(ACT):
+            blocks.append((ACT, [line[len(ACT) :]]))
+        elif line.startswith(TASK) and not blocks:
+            blocks.append((TASK, [line[len(TASK) :]]))
+        elif blocks:
+            blocks[-1][1].append(line)
+        else:
+            blocks.append((TASK, [line]))
+    context = ["\n".join(lines) for kind, lines in blocks if kind != ACT]
+    observations = ["\n".join(lines) for kind, lines in blocks if kind == OBS]
+    actions = ["\n".join(lines) for kind, lines in blocks if kind == ACT]
+    observation = observations[-1] if observations else state_text
+    return "\n".join(context).lower(), observation.lower(), actions
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What grounding reads of one decision: the state's text split up, and the episode's actions so far."""
+
+    context: str  # task and observations, lowercase
+    observation: str  # the current observation, lowercase
+    taken: frozenset[str]  # every action taken earlier in the episode
+    tools: frozenset[str]  # the tools those actions called
+    last: str | None  # the action taken just before
+
+
+def situation(state_text: str, taken: Sequence[str] | None = None) -> Situation:
+    """The `Situation` of a rendered state; `taken` (the episode's actions, oldest first) defaults to the
+    `[act]` lines of the text, which only reach back k turns."""
+    context, observation, shown = split_state(state_text)
+    taken = shown if taken is None else list(taken)
+    tools = {parse_action(a).tool_name for a in taken}
+    return Situation(
+        context, observation, frozenset(taken), frozenset(t for t in tools if t), taken[-1] if taken else None
+    )
+
+
+def grounding(state_text: str, action_text: str, taken: Sequence[str] | None = None) -> np.ndarray:
+    """(P,) float32: the GROUNDING_FEATURES of `action_text` (a canonical action) in `state_text`."""
+    return features_in(situation(state_text, taken), action_text)
+
+
+def features_in(where: Situation, action_text: str) -> np.ndarray:
+    """(P,) float32 GROUNDING_FEATURES of a canonical action text in a `Situation`."""
+    parsed = parse_action(action_text)
+    out = np.zeros(PAIR_DIM, np.float32)
+    if parsed.kind == TOOL_CALL:
+        values = list(dict.fromkeys(argument_values(parsed.tool_args)))
+        out[0] = 1.0
+        if values:
+            out[1] = 1.0
+            out[2] = sum(occurs(v, where.context) for v in values) / len(values)
+            out[3] = sum(occurs(v, where.observation) for v in values) / len(values)
+        out[4] = float(occurs(str(parsed.tool_name).lower(), where.observation))
+        out[6] = float(parsed.tool_name in where.tools)
+    out[5] = float(action_text in where.taken)
+    out[7] = float(action_text == where.last)
+    return out
+
+
+def grounding_batch(
+    state_texts: Sequence[str],
+    candidates: Sequence[Sequence[str]],
+    width: int,
+    taken: Sequence[Sequence[str]] | None = None,
+) -> torch.Tensor:
+    """(B, width, P) float32 grounding of each state's candidate texts (zeros past a state's list); `taken`
+    holds each state's episode actions so far (see `situation`)."""
+    out = np.zeros((len(state_texts), width, PAIR_DIM), np.float32)
+    for i, (state, cands) in enumerate(zip(state_texts, candidates, strict=True)):
+        where = situation(state, None if taken is None else taken[i])
+        for j, action in enumerate(cands):
+            out[i, j] = features_in(where, action)
+    return torch.from_numpy(out)
+
+
+class GroundingTable:
+    """Grounding of (logged step, vocabulary action) pairs, each computed once, on first use.
+
+    A step's episode actions so far are the logged actions of the rows before it in its episode (rows
+    are sorted by episode and step). Training asks for the same pairs every epoch (a step's logged
+    candidates) and for random ones (the sampled candidates of logs without any), so pairs are computed
+    lazily and remembered, not all N x V of them up front.
+    """
+
+    def __init__(
+        self,
+        state_texts: Sequence[str],
+        vocab: Sequence[str],
+        action_id: torch.Tensor,
+        episode_index: torch.Tensor,
+    ):
+        self.state_texts, self.vocab = state_texts, vocab
+        self.action_id, self.episode_index = action_id.tolist(), episode_index.tolist()
+        self._situations: dict[int, Situation] = {}
+        self._pairs: dict[tuple[int, int], np.ndarray] = {}
+
+    def taken_before(self, row: int) -> list[str]:
+        """The logged actions of the episode of `row` before it, oldest first."""
+        first = row
+        while first > 0 and self.episode_index[first - 1] == self.episode_index[row]:
+            first -= 1
+        return [self.vocab[a] for a in self.action_id[first:row]]
+
+    def lookup(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """rows (B,) int64 and ids (B, C) int64 (-1 = empty slot, zeros) -> (B, C, P) float32."""
+        b, c = ids.shape
+        out = np.zeros((b, c, PAIR_DIM), np.float32)
+        for i, (row, row_ids) in enumerate(zip(rows.tolist(), ids.tolist(), strict=True)):
+            for j, action_id in enumerate(row_ids):
+                if action_id >= 0:
+                    out[i, j] = self._pair(row, action_id)
+        return torch.from_numpy(out)
+
+    def _pair(self, row: int, action_id: int) -> np.ndarray:
+        key = (row, action_id)
+        found = self._pairs.get(key)
+        if found is None:
+            where = self._situations.get(row)
+            if where is None:
+                where = self._situations[row] = situation(self.state_texts[row], self.taken_before(row))
+            found = self._pairs[key] = features_in(where, self.vocab[action_id])
+        return found
