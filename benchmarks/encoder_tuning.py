@@ -57,8 +57,9 @@ def run_env(env: str, args: argparse.Namespace, workdir: Path, log) -> list[list
     rows = []
     for name, settings in VARIANTS.items():
         started = time.perf_counter()
+        # Without grounding (learn/grounding.py): the question here is what the text features carry.
         result = train(folder / "dataset", "bc", folder / name, steps=args.steps, batch_size=args.batch_size,
-                       seed=0, overwrite=True, settings=settings)
+                       seed=0, overwrite=True, settings={"grounding": False, **settings})
         trained = time.perf_counter() - started
         report = evaluate(folder / name, env, episodes=args.eval_episodes, seed=EVAL_SEED)
         low, high = report.ci95

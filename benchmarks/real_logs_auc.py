@@ -120,8 +120,9 @@ def run(name: str, dataset: Path, budget: dict, encoder, log) -> list[object]:
     features = build_features(dataset, encoder, k=budget["k"], progress=sys.stderr.isatty())
     log(f"{name}: {features.describe()} ({features.cache_misses} texts encoded, {time.perf_counter() - t0:.0f}s)")
     t = time.perf_counter()
+    # Ungrounded: the score is Q(s0, a0) of the state and action texts alone (see the README's table).
     network, _ = train_cql(features, CQLConfig(steps=budget["steps"], batch_size=budget["batch_size"],
-                                               hidden=budget["hidden"], seed=0))
+                                               hidden=budget["hidden"], seed=0, grounding=False))
     log(f"  CQL {budget['steps']} steps in {time.perf_counter() - t:.0f}s")
     test, train = features.first_rows("test"), features.first_rows("train")
     label = features.episode_success[features.episode_index[test]]

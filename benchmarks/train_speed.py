@@ -79,6 +79,8 @@ def steps_per_second(algo: str, features, batch_size: int, hidden: int, steps: i
     from offline_agent.learn.train import make_config, run_algorithm
 
     settings = {"batch_size": batch_size, "hidden": hidden, "log_every": max(steps, 1)}
+    if algo != "d3rlpy-cql":
+        settings["grounding"] = False  # synthetic features have no texts to ground candidates in
     run_algorithm(algo, features, make_config(algo, steps=warmup, **settings))
     start = time.perf_counter()
     run_algorithm(algo, features, make_config(algo, steps=steps, **settings))

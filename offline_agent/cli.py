@@ -449,8 +449,8 @@ def train_command(
         False, "--encoder-action-gradient", help="tuned layers also learn from the batch's action texts"
     ),
     grounding: bool = typer.Option(
-        False, "--grounding", help="cql/bc: score each candidate with its grounding in the state (argument values "
-        "found in the task and observations, repeats)"
+        True, "--grounding/--no-grounding", help="cql/bc: score each candidate with its grounding in the episode "
+        "(argument values found in the task and observations, actions already taken)"
     ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a policy already in OUT"),
 ) -> None:
@@ -468,8 +468,8 @@ def train_command(
         settings["encoder_action_gradient"] = True
     if encoder_lr is not None:
         settings["encoder_learning_rate"] = encoder_lr
-    if grounding:
-        settings["grounding"] = True
+    if not grounding:
+        settings["grounding"] = False
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
         encoder=encoder, k=k, overwrite=overwrite, progress=sys.stderr.isatty(), settings=settings,

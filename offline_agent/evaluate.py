@@ -358,8 +358,7 @@ def off_policy_value(
 
     policy = Policy.load(run, encoder=encoder, device=device)
     gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
-    grounded = bool(getattr(policy.network, "pair_dim", 0))  # its grounding reads the state texts
-    features = build_features(dataset, policy.encoder, k=policy.k, keep_texts=grounded)
+    features = build_features(dataset, policy.encoder, k=policy.k)
     config = FQEConfig(steps=steps, gamma=gamma, seed=seed, device=device, split=split, tau=policy.tau)
     result = fitted_q_evaluation(features, policy.network, config)
     if not math.isfinite(result.value):

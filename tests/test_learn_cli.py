@@ -32,6 +32,9 @@ def test_wilson_interval_exact_values():
     assert wilson_interval(0, 20) == pytest.approx((0.0, 0.1611301255), abs=1e-9)
     assert wilson_interval(50, 100) == pytest.approx((0.4038298286, 0.5961701714), abs=1e-9)
     assert wilson_interval(0, 0) == (0.0, 1.0)
+    # all or none: the rate is an end of its own interval, exactly (rounding once gave 6/6 a top of 1 - 1e-16)
+    assert [wilson_interval(n, n)[1] for n in range(1, 60)] == [1.0] * 59
+    assert [wilson_interval(0, n)[0] for n in range(1, 60)] == [0.0] * 59
 
 
 def test_recovery_lengths_count_steps_from_an_error_to_the_next_clean_step():
@@ -108,6 +111,10 @@ def test_train_a_grounded_policy_then_evaluate_it_with_fqe(dataset, tmp_path, mo
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["episodes"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    result = runner.invoke(app, ["train", str(dataset), "--algo", "bc", "--out", str(tmp_path / "plain"), "--steps",
+                                 "5", "--k", "0", "--no-grounding"])
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "plain" / "policy.json").read_text())["network"]["pair_dim"] == 0
 
 
 def test_evaluate_prints_a_summary_and_estimates_fqe_on_held_out_logs(dataset, tmp_path):
@@ -135,7 +142,7 @@ def test_evaluate_a_behaviour_policy_spec():
         (["train", "{ds}", "--out", "{tmp}/r", "--algo", "bc", "--alpha", "1"], "drop --alpha"),
         (["train", "{ds}", "--out", "{tmp}/r", "--algo", "d3rlpy-cql", "--tune-encoder-layers", "1"],
          "has no setting tune_encoder_layers"),
-        (["train", "{ds}", "--out", "{tmp}/r", "--algo", "d3rlpy-cql", "--grounding"], "has no setting grounding"),
+        (["train", "{ds}", "--out", "{tmp}/r", "--algo", "d3rlpy-cql", "--no-grounding"], "has no setting grounding"),
         (["train", "{ds}", "--out", "{tmp}/r", "--tune-encoder-layers", "9"], "between 1 and the encoder's 6 layers"),
         (["evaluate", "{tmp}", "--env", SPEC], "holds no policy checkpoint"),
         (["evaluate", "{tmp}"], "evaluate needs --env ENV"),

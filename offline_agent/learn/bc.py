@@ -44,7 +44,9 @@ class BCConfig(EncoderTuningSettings):
         default=1.0, metadata={"help": "clone only episodes in this top fraction of return (1 = plain BC)"}
     )
     n_sampled_candidates: int = field(default=16, metadata={"help": "candidates sampled where the log has none"})
-    grounding: bool = field(default=False, metadata={"help": "score each candidate with its grounding in the state"})
+    grounding: bool = field(
+        default=True, metadata={"help": "score each candidate with its grounding in the episode (grounding.py)"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})

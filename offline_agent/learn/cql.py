@@ -67,7 +67,9 @@ class CQLConfig(EncoderTuningSettings):
     )
     state_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on phi(s)"})
     action_adapter: bool = field(default=False, metadata={"help": "train a residual adapter on psi(a)"})
-    grounding: bool = field(default=False, metadata={"help": "score each candidate with its grounding in the state"})
+    grounding: bool = field(
+        default=True, metadata={"help": "score each candidate with its grounding in the episode (grounding.py)"}
+    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=10, metadata={"help": "record metrics every N steps"})

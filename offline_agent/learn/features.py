@@ -63,7 +63,7 @@ class Features:
     k: int
     max_tokens: int | None
     gamma: float
-    state_texts: list[str] | None = None  # N, kept for diagnostics (aliasing, the AUC benchmark)
+    state_texts: list[str] | None = None  # N: what grounding and encoder tuning read (keep_texts)
     cache_hits: int = 0  # distinct texts found in the embedding cache when these features were built
     cache_misses: int = 0  # distinct texts that had to be encoded
     _grounding: GroundingTable | None = field(default=None, repr=False)
@@ -132,7 +132,7 @@ def build_features(
     k: int | None = None,
     cache_root: str | Path | None = None,
     progress: bool = False,
-    keep_texts: bool = False,
+    keep_texts: bool = True,
 ) -> Features:
     """Embed a dataset's states and actions (through its embedding cache) and gather its columns as tensors.
 

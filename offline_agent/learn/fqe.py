@@ -94,7 +94,8 @@ def policy_distribution(
         cand = features.action_emb[ids[sl].clamp(min=0)].to(device)  # (b, C) -> (b, C, D)
         pair = None
         if getattr(network, "pair_dim", 0):
-            pair = features.grounding_table().lookup(rows[sl], torch.where(mask[sl], ids[sl], -1)).to(device)
+            table = features.grounding_table()
+            pair = table.lookup(rows[sl], torch.where(mask[sl], ids[sl], -1), remember=False).to(device)
         q = network.q_values(state, cand, mask[sl].to(device), pair).cpu()  # (b, C)
         if greedy:
             probs[sl] = torch.nn.functional.one_hot(q.argmax(1), ids.shape[1]).float()

@@ -180,8 +180,11 @@ class GroundingTable:
     A step's episode actions so far are the logged actions of the rows before it in its episode (rows
     are sorted by episode and step). Training asks for the same pairs every epoch (a step's logged
     candidates) and for random ones (the sampled candidates of logs without any), so pairs are computed
-    lazily and remembered, not all N x V of them up front.
+    lazily and remembered, not all N x V of them up front. The memory is bounded: past `max_pairs` it
+    starts afresh (about 150 bytes a pair).
     """
+
+    max_pairs = 2_000_000
 
     def __init__(
         self,
@@ -202,22 +205,28 @@ class GroundingTable:
             first -= 1
         return [self.vocab[a] for a in self.action_id[first:row]]
 
-    def lookup(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """rows (B,) int64 and ids (B, C) int64 (-1 = empty slot, zeros) -> (B, C, P) float32."""
+    def lookup(self, rows: torch.Tensor, ids: torch.Tensor, remember: bool = True) -> torch.Tensor:
+        """rows (B,) int64 and ids (B, C) int64 (-1 = empty slot, zeros) -> (B, C, P) float32.
+
+        `remember=False` for a one-off pass (FQE scoring every vocabulary action of every step)."""
         b, c = ids.shape
         out = np.zeros((b, c, PAIR_DIM), np.float32)
         for i, (row, row_ids) in enumerate(zip(rows.tolist(), ids.tolist(), strict=True)):
             for j, action_id in enumerate(row_ids):
                 if action_id >= 0:
-                    out[i, j] = self._pair(row, action_id)
+                    out[i, j] = self._pair(row, action_id, remember)
         return torch.from_numpy(out)
 
-    def _pair(self, row: int, action_id: int) -> np.ndarray:
+    def _pair(self, row: int, action_id: int, remember: bool) -> np.ndarray:
         key = (row, action_id)
         found = self._pairs.get(key)
         if found is None:
             where = self._situations.get(row)
             if where is None:
                 where = self._situations[row] = situation(self.state_texts[row], self.taken_before(row))
-            found = self._pairs[key] = features_in(where, self.vocab[action_id])
+            found = features_in(where, self.vocab[action_id])
+            if remember:
+                if len(self._pairs) >= self.max_pairs:
+                    self._pairs.clear()
+                self._pairs[key] = found
         return found

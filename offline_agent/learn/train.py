@@ -132,9 +132,8 @@ def train(
         raise UserError(f"{out} already holds a trained policy: choose another --out, or pass --overwrite")
     encoder = load_encoder(encoder, device)
     n_tuned = getattr(config, "tune_encoder_layers", 0)
-    keep_texts = n_tuned > 0 or getattr(config, "grounding", False)  # both read the state texts
     if features is None:
-        features = build_features(ds, encoder, k=k, progress=progress, keep_texts=keep_texts)
+        features = build_features(ds, encoder, k=k, progress=progress)
     elif features.encoder_id != encoder.id:
         raise ValueError("features were built with another encoder than the one given")
     tuner = None
