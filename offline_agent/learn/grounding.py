@@ -143,19 +143,19 @@ def grounding(state_text: str, action_text: str, taken: Sequence[str] | None = N
 def features_in(where: Situation, action_text: str) -> np.ndarray:
     """(P,) float32 GROUNDING_FEATURES of a canonical action text in a `Situation`."""
     parsed = parse_action(action_text)
-    out = np.zeros(PAIR_DIM, np.float32)
+    found = dict.fromkeys(GROUNDING_FEATURES, 0.0)
     if parsed.kind == TOOL_CALL:
         values = list(dict.fromkeys(argument_values(parsed.tool_args)))
-        out[0] = 1.0
+        found["is_call"] = 1.0
         if values:
-            out[1] = 1.0
-            out[2] = sum(occurs(v, where.context) for v in values) / len(values)
-            out[3] = sum(occurs(v, where.observation) for v in values) / len(values)
-        out[4] = float(occurs(str(parsed.tool_name).lower(), where.observation))
-        out[6] = float(parsed.tool_name in where.tools)
-    out[5] = float(action_text in where.taken)
-    out[7] = float(action_text == where.last)
-    return out
+            found["has_values"] = 1.0
+            found["values_in_context"] = sum(occurs(v, where.context) for v in values) / len(values)
+            found["values_in_observation"] = sum(occurs(v, where.observation) for v in values) / len(values)
+        found["name_in_observation"] = float(occurs(str(parsed.tool_name).lower(), where.observation))
+        found["tool_used_before"] = float(parsed.tool_name in where.tools)
+    found["taken_before"] = float(action_text in where.taken)
+    found["repeats_last"] = float(action_text == where.last)
+    return np.fromiter(found.values(), np.float32, PAIR_DIM)
 
 
 def grounding_batch(
