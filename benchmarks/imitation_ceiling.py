@@ -1,4 +1,4 @@
-"""Imitation ceiling: how well can any policy over frozen MiniLM features play each simulator?
+"""Imitation ceiling: how well can any policy over frozen MiniLM features (and grounding) play each simulator?
 
 The quality targets (offline CQL above the behaviour policy, online fine-tuning to
 95%) assume a policy over these features *can* play well. This benchmark measures
@@ -70,7 +70,8 @@ def main() -> None:
         markdown_table(["simulator", "expert (logs)", "BC on the expert's logs (greedy)", "error observations"],
                        rows)
         + f"\n\n{args.episodes} expert episodes per simulator; BC {args.steps} steps of batch 128 on the frozen "
-        f"MiniLM features (k = 3 turns, 256 tokens), the library defaults otherwise; {args.eval_episodes} fresh "
+        f"MiniLM features (k = 3 turns, 256 tokens) and each candidate's grounding, the library defaults otherwise; "
+        f"{args.eval_episodes} fresh "
         f"episodes (seeds from {EVAL_SEED}) with 95% Wilson intervals. Whole run: "
         f"{(time.perf_counter() - started) / 60:.1f} min."
     )
@@ -78,7 +79,8 @@ def main() -> None:
     if args.no_write:
         print(table)
     else:
-        write_result("imitation_ceiling", "Imitation ceiling of frozen features (BC on expert logs)", table,
+        title = "Imitation ceiling of frozen features with grounding (BC on expert logs)"
+        write_result("imitation_ceiling", title, table,
                      command.strip())
 
 
