@@ -266,15 +266,19 @@ class _progress:
 # --- state text ------------------------------------------------------------------------------------
 
 
+#: The line prefixes of a rendered state; `offline_agent.learn.grounding` reads states back by them.
+TASK_PREFIX, OBS_PREFIX, ACT_PREFIX = "Task: ", "[obs] ", "[act] "
+
+
 def _render(task: str | None, turns: Sequence[tuple[str, str]], observation: str) -> str:
     # Chat logs without a task field take the first user message as the task; it also opens the first
     # observation, and one copy is enough in a window of a few hundred tokens.
     shown = bool(task) and any(obs.startswith(task) for obs in [*(o for o, _ in turns), observation])
-    lines = [f"Task: {task}"] if task and not shown else []
+    lines = [TASK_PREFIX + task] if task and not shown else []
     for obs, act in turns:
-        lines.append(f"[obs] {obs}")
-        lines.append(f"[act] {act}")
-    lines.append(f"[obs] {observation}")
+        lines.append(OBS_PREFIX + obs)
+        lines.append(ACT_PREFIX + act)
+    lines.append(OBS_PREFIX + observation)
     return "\n".join(lines)
 
 

@@ -42,6 +42,9 @@ import numpy as np
 import torch
 
 from offline_agent.actions import TOOL_CALL, parse_action
+from offline_agent.embed import ACT_PREFIX as ACT
+from offline_agent.embed import OBS_PREFIX as OBS
+from offline_agent.embed import TASK_PREFIX as TASK
 
 GROUNDING_FEATURES = (
     "is_call",
@@ -54,7 +57,6 @@ GROUNDING_FEATURES = (
     "repeats_last",
 )
 PAIR_DIM = len(GROUNDING_FEATURES)
-OBS, ACT, TASK = "[obs] ", "[act] ", "Task: "
 
 
 def argument_values(arguments: Any) -> Iterator[str]:

@@ -173,6 +173,10 @@ class EpisodeHistory:
     task: str | None = None
     turns: list[tuple[str, str]] = field(default_factory=list)
 
+    def actions(self) -> list[str]:
+        """The actions taken so far, oldest first (what grounding checks repeats against)."""
+        return [action for _, action in self.turns]
+
 
 def candidate_texts(candidates: Sequence[Any]) -> list[str]:
     """Canonical texts of candidates given as strings or tool-call dicts; a bad one is a UserError."""
@@ -307,8 +311,7 @@ class Policy:
         """One decision in each of several episodes at once (one encoder call); records each turn."""
         texts = [str(o.get("text", "")) for o in observations]
         states = [self.render(h, t) for h, t in zip(histories, texts, strict=True)]
-        taken = [[action for _, action in h.turns] for h in histories]
-        scores = self.score_batch(states, [o["candidates"] for o in observations], taken)
+        scores = self.score_batch(states, [o["candidates"] for o in observations], [h.actions() for h in histories])
         choices = []
         for history, text, obs, q in zip(histories, texts, observations, scores, strict=True):
             if self.greedy:

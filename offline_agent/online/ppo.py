@@ -438,7 +438,7 @@ class Featurizer:
             offset += n
         pair = None
         if self.grounded:
-            taken = [[action for _, action in h.turns] for h in self.histories]
+            taken = [h.actions() for h in self.histories]
             pair = grounding_batch(states, self.last_actions, self.max_candidates, taken)  # (N, C, P)
         return state, cands, mask, pair
 
