@@ -73,6 +73,7 @@ def test_grounding_of_right_and_made_up_argument_values():
     assert features(STATE, verify) == {
         "is_call": 1.0, "has_values": 1.0, "values_in_context": 1.0, "values_in_observation": 0.5,
         "name_in_observation": 0.0, "taken_before": 0.0, "tool_used_before": 0.0, "repeats_last": 0.0,
+        "values_in_one_clause": 0.0, "task_clause_observed": 0.0,
     }
     # the last four reversed: one value of two is grounded, and not in the current observation
     reversed_last4 = features(STATE, call("verify_identity", customer_id="C-17", last4="1558"))
@@ -105,6 +106,32 @@ def test_the_episode_history_reaches_further_back_than_the_state_window():
     taken = [a for _, a in turns]
     assert features(window, first, taken)["taken_before"] == 1.0
     assert features(window, call("step", n=5), taken)["repeats_last"] == 1.0
+
+
+DISPATCH = render_state(
+    "Deliver every order, then end the shift. Orders: O-3330 3 x water to harbor; O-8191 4 x tires to mill_rd.",
+    [("Shift started.", call("move", to="harbor"))],
+    "arrived at harbor.\n[T-7 at harbor, 11:21] cargo: water x3, tires x4 | delivered 0/2",
+)
+
+
+def test_a_call_is_related_to_what_the_task_says_about_its_values():
+    right, wrong = (features(DISPATCH, call("deliver", order_id=o)) for o in ("O-3330", "O-8191"))
+    # the task's clause on O-3330 names water and harbor, both in the observation; O-8191's names tires and
+    # mill_rd, and the truck is not at mill_rd
+    assert right["task_clause_observed"] == 1.0 and wrong["task_clause_observed"] == 0.5
+    assert right["values_in_context"] == wrong["values_in_context"] == 1.0  # the old features cannot tell
+    # "to" and "x" are too short to count; a clause that does not name the value does not count either
+    assert features(DISPATCH, call("move", to="depot"))["task_clause_observed"] == 0.0
+    # two values: the quantity with its item is in one clause, another quantity is not. Of its clause, water
+    # sees harbor (of o-3330, harbor) and 3 sees water and harbor (of o-3330, water, harbor)
+    load = features(DISPATCH, call("load", item="water", qty=3))
+    assert load["values_in_one_clause"] == 1.0 and load["task_clause_observed"] == pytest.approx((1 / 2 + 2 / 3) / 2)
+    assert features(DISPATCH, call("load", item="water", qty=4))["values_in_one_clause"] == 0.0
+    assert features(DISPATCH, call("deliver", order_id="O-3330"))["values_in_one_clause"] == 0.0  # one value
+    # values that the task does not name: C-17 and 8551 are in different clauses of the conversation
+    verify = features(STATE, call("verify_identity", customer_id="C-17", last4="8551"))
+    assert verify["values_in_one_clause"] == 0.0 and verify["task_clause_observed"] == 0.0
 
 
 def test_a_batch_of_states_is_padded_with_zeros():
@@ -173,6 +200,13 @@ def test_the_first_layer_of_a_grounded_head_is_a_linear_map_of_the_concatenation
     torch.testing.assert_close(head(s, a, pair=g), expected, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="pass `pair`"):
         head(s, a)
+
+
+def test_a_head_trained_on_fewer_grounding_features_reads_the_first_ones():
+    torch.manual_seed(0)
+    head = QHead(dim=5, hidden=7, pair_dim=3)  # a checkpoint from before features were appended
+    s, a, g = torch.randn(2, 5), torch.randn(2, 4, 5), torch.rand(2, 4, 5)
+    torch.testing.assert_close(head(s, a, pair=g), head(s, a, pair=g[..., :3]))
 
 
 def test_grounded_scores_by_id_match_scores_by_embedding_and_a_residual_sees_the_grounding_too():

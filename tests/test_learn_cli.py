@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from offline_agent.cli import app
 from offline_agent.evaluate import EpisodeOutcome, recovery_lengths, summarize, wilson_interval
+from offline_agent.learn.grounding import GROUNDING_FEATURES
 
 runner = CliRunner()
 
@@ -105,7 +106,7 @@ def test_train_a_grounded_policy_then_evaluate_it_with_fqe(dataset, tmp_path, mo
     )
     assert result.exit_code == 0, result.output
     policy = json.loads((run / "policy.json").read_text())
-    assert policy["config"]["grounding"] is True and policy["network"]["pair_dim"] == 8
+    assert policy["config"]["grounding"] is True and policy["network"]["pair_dim"] == len(GROUNDING_FEATURES)
     result = runner.invoke(app, ["evaluate", str(run), "--env", SPEC, "--episodes", "2", "--json",
                                  "--dataset", str(dataset), "--fqe-steps", "10"])
     assert result.exit_code == 0, result.output

@@ -20,6 +20,16 @@ lookup over the episode's earlier actions answer both exactly, in microseconds.
 | `taken_before` | this exact action was taken earlier in the episode |
 | `tool_used_before` | a call to this tool was made earlier in the episode |
 | `repeats_last` | this exact action was the last one taken |
+| `values_in_one_clause` | the call has 2+ values and one clause of the context names them all ("4 x water") |
+| `task_clause_observed` | what the task says about each value, as far as the current observation shows it (below) |
+
+The last two relate a call to the text around its values, which pooled embeddings blur most: in
+"Orders: O-3330 3 x water to harbor; O-8191 4 x tires to mill_rd" and a status line "[T-7 at harbor]
+cargo: water x3", `deliver(order_id=O-3330)` scores 1 (the clause's other words, water and harbor, are
+both in the observation) and `deliver(order_id=O-8191)` 0. Clauses end at line breaks, commas,
+semicolons, bars, and full stops or colons before a space; a clause's content words are its words of
+3+ characters with a letter, common English words left out. Features are only ever appended to the
+list, so a network trained with the first P of them reads the first P (`QHead`).
 
 "Occurs" is a case-insensitive match that does not start or end inside a word, so the value `7`
 does not occur in `17`. The state text is the one `offline_agent.embed.render_state` writes (task
@@ -55,6 +65,8 @@ GROUNDING_FEATURES = (
     "taken_before",
     "tool_used_before",
     "repeats_last",
+    "values_in_one_clause",
+    "task_clause_observed",
 )
 PAIR_DIM = len(GROUNDING_FEATURES)
 
@@ -124,6 +136,9 @@ class Situation:
     taken: frozenset[str]  # every action taken earlier in the episode
     tools: frozenset[str]  # the tools those actions called
     last: str | None  # the action taken just before
+    clauses: tuple[str, ...] = ()  # the clauses of the context
+    task_clauses: tuple[str, ...] = ()  # the clauses of the task, lowercase
+    observed_words: frozenset[str] = frozenset()  # the current observation's content words
 
 
 def situation(state_text: str, taken: Sequence[str] | None = None) -> Situation:
@@ -133,8 +148,60 @@ def situation(state_text: str, taken: Sequence[str] | None = None) -> Situation:
     taken = shown if taken is None else list(taken)
     tools = {parse_action(a).tool_name for a in taken}
     return Situation(
-        context, observation, frozenset(taken), frozenset(t for t in tools if t), taken[-1] if taken else None
+        context,
+        observation,
+        frozenset(taken),
+        frozenset(t for t in tools if t),
+        taken[-1] if taken else None,
+        clauses(context),
+        clauses(task_of(state_text).lower()),
+        frozenset(content_words(observation)),
     )
+
+
+def task_of(state_text: str) -> str:
+    """The task block of a rendered state (empty when the text opens with a turn)."""
+    lines = []
+    for line in state_text.split("\n"):
+        if line.startswith((OBS, ACT)):
+            break
+        lines.append(line[len(TASK) :] if not lines and line.startswith(TASK) else line)
+    return "\n".join(lines)
+
+
+# A clause ends at a line break, a comma, a semicolon, a bar, or a full stop or colon before a space:
+# "Orders: O-3330 3 x water to harbor; O-8191 ..." holds one clause per order.
+_CLAUSE = re.compile(r"[;\n|,]|[.:](?:\s|$)")
+_WORD = re.compile(r"\w[\w\-]*")
+_STOP = frozenset(
+    "the and for with was are has have not you your this that from into but all any can will its our out "
+    "per via been were then than them they what when which who how now one get got may own off each only "
+    "very also just more some such there here their these those would could should about after before "
+    "again please".split()
+)
+
+
+def clauses(text: str) -> tuple[str, ...]:
+    """The non-blank clauses of a text."""
+    return tuple(c for c in _CLAUSE.split(text) if c.strip())
+
+
+def content_words(text: str) -> set[str]:
+    """Words of 3+ characters with a letter in them, common English words left out."""
+    return {w for w in _WORD.findall(text) if len(w) >= 3 and not w.isdigit() and w not in _STOP}
+
+
+def task_clause_observed(value: str, where: Situation) -> float:
+    """How much of what the task says about `value` the current observation shows: over the task's clauses
+    that name it, the largest fraction of their other content words that occur in the observation (0 where
+    no clause names it)."""
+    best = 0.0
+    for clause in where.task_clauses:
+        if value in clause and occurs(value, clause):
+            others = content_words(clause) - {value}
+            if others:
+                best = max(best, len(others & where.observed_words) / len(others))
+    return best
 
 
 def grounding(state_text: str, action_text: str, taken: Sequence[str] | None = None) -> np.ndarray:
@@ -153,6 +220,10 @@ def features_in(where: Situation, action_text: str) -> np.ndarray:
             found["has_values"] = 1.0
             found["values_in_context"] = sum(occurs(v, where.context) for v in values) / len(values)
             found["values_in_observation"] = sum(occurs(v, where.observation) for v in values) / len(values)
+            found["values_in_one_clause"] = float(
+                len(values) > 1 and any(all(occurs(v, c) for v in values) for c in where.clauses)
+            )
+            found["task_clause_observed"] = sum(task_clause_observed(v, where) for v in values) / len(values)
         found["name_in_observation"] = float(occurs(str(parsed.tool_name).lower(), where.observation))
         found["tool_used_before"] = float(parsed.tool_name in where.tools)
     found["taken_before"] = float(action_text in where.taken)

@@ -83,7 +83,8 @@ class QHead(nn.Module):
         if self.w_pair is not None:
             if pair is None:
                 raise ValueError("this network scores (state, candidate) pairs with their grounding: pass `pair`")
-            h = h + self.w_pair(pair)
+            # Grounding features are only ever appended: a head trained on the first P reads the first P.
+            h = h + self.w_pair(pair[..., : self.w_pair.in_features])
         return self.mlp(h).squeeze(-1)  # (B, C, 1) -> (B, C)
 
 
