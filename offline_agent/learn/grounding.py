@@ -108,6 +108,11 @@ def split_state(state_text: str) -> tuple[str, str, list[str]]:
     line that starts no block continues the one before it (observations span lines). A text that is not
     a rendered state (a bare prompt) is all context and all current observation.
     """
+    return _split(_blocks(state_text), state_text)
+
+
+def _blocks(state_text: str) -> list[tuple[str, list[str]]]:
+    """(kind, lines) of each block of a rendered state: TASK, OBS or ACT, in order."""
     blocks: list[tuple[str, list[str]]] = []  # (kind, lines)
     for line in state_text.split("\n"):
         if line.startswith(OBS):
@@ -120,6 +125,10 @@ def split_state(state_text: str) -> tuple[str, str, list[str]]:
             blocks[-1][1].append(line)
         else:
             blocks.append((TASK, [line]))
+    return blocks
+
+
+def _split(blocks: list[tuple[str, list[str]]], state_text: str) -> tuple[str, str, list[str]]:
     context = ["\n".join(lines) for kind, lines in blocks if kind != ACT]
     observations = ["\n".join(lines) for kind, lines in blocks if kind == OBS]
     actions = ["\n".join(lines) for kind, lines in blocks if kind == ACT]
@@ -137,14 +146,16 @@ class Situation:
     tools: frozenset[str]  # the tools those actions called
     last: str | None  # the action taken just before
     clauses: tuple[str, ...] = ()  # the clauses of the context
-    task_clauses: tuple[str, ...] = ()  # the clauses of the task, lowercase
+    task_clauses: tuple[tuple[str, frozenset[str]], ...] = ()  # the task's clauses (lowercase), their content words
     observed_words: frozenset[str] = frozenset()  # the current observation's content words
 
 
 def situation(state_text: str, taken: Sequence[str] | None = None) -> Situation:
     """The `Situation` of a rendered state; `taken` (the episode's actions, oldest first) defaults to the
     `[act]` lines of the text, which only reach back k turns."""
-    context, observation, shown = split_state(state_text)
+    blocks = _blocks(state_text)
+    context, observation, shown = _split(blocks, state_text)
+    task = "\n".join(blocks[0][1]) if blocks and blocks[0][0] == TASK else ""
     taken = shown if taken is None else list(taken)
     tools = {parse_action(a).tool_name for a in taken}
     return Situation(
@@ -154,19 +165,9 @@ def situation(state_text: str, taken: Sequence[str] | None = None) -> Situation:
         frozenset(t for t in tools if t),
         taken[-1] if taken else None,
         clauses(context),
-        clauses(task_of(state_text).lower()),
+        tuple((c, frozenset(content_words(c))) for c in clauses(task.lower())),
         frozenset(content_words(observation)),
     )
-
-
-def task_of(state_text: str) -> str:
-    """The task block of a rendered state (empty when the text opens with a turn)."""
-    lines = []
-    for line in state_text.split("\n"):
-        if line.startswith((OBS, ACT)):
-            break
-        lines.append(line[len(TASK) :] if not lines and line.startswith(TASK) else line)
-    return "\n".join(lines)
 
 
 # A clause ends at a line break, a comma, a semicolon, a bar, or a full stop or colon before a space:
@@ -196,9 +197,9 @@ def task_clause_observed(value: str, where: Situation) -> float:
     that name it, the largest fraction of their other content words that occur in the observation (0 where
     no clause names it)."""
     best = 0.0
-    for clause in where.task_clauses:
+    for clause, words in where.task_clauses:
         if value in clause and occurs(value, clause):
-            others = content_words(clause) - {value}
+            others = words - {value}
             if others:
                 best = max(best, len(others & where.observed_words) / len(others))
     return best
