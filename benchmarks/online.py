@@ -217,17 +217,20 @@ def main() -> None:
     parser.add_argument("--cache", default=str(REPO / "benchmarks" / "out" / "online"), help="offline stage and runs")
     parser.add_argument("--cql-steps", type=int, default=1000, help="CQL gradient steps of the offline stage")
     parser.add_argument("--retrain", action="store_true", help="retrain the cached CQL runs")
-    parser.add_argument("--iterations", type=int, default=8)
-    parser.add_argument("--num-envs", type=int, default=4)
-    parser.add_argument("--num-steps", type=int, default=32, help="steps per env per iteration")
+    parser.add_argument("--iterations", type=int, default=24)
+    parser.add_argument("--num-envs", type=int, default=8)
+    parser.add_argument("--num-steps", type=int, default=64, help="steps per env per iteration")
     parser.add_argument("--target-kl", type=float, default=0.05)
     parser.add_argument("--kl-horizon", type=int, default=1000, help="env steps of the KL controller's horizon")
     parser.add_argument("--policy-init", default="residual", choices=["residual", "copy"])
-    parser.add_argument("--learning-rate", type=float, default=None,
-                        help="fine-tuning learning rate [default: PPOConfig's for --policy-init]")
+    # At 1e-2 one Adam step of the residual already crossed max_update_kl, so every iteration stopped after one
+    # minibatch step and the KL to the offline policy jumped to 0.6-0.8 (CustomerSupport and Logistics, 15k
+    # env steps: no gain); at 1e-3 all 16 minibatch steps of an iteration are taken.
+    parser.add_argument("--learning-rate", type=float, default=1e-3,
+                        help="fine-tuning learning rate (PPOConfig's default for --policy-init: pass it explicitly)")
     parser.add_argument("--scratch-learning-rate", type=float, default=3e-4, help="PPO-from-scratch learning rate")
     parser.add_argument("--value-init", default="zero", choices=["critic", "zero"])
-    parser.add_argument("--episodes", type=int, default=30, help="evaluation episodes per policy")
+    parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
     parser.add_argument("--throughput-steps", type=int, default=64, help="rollout steps timed per setting")
@@ -284,9 +287,9 @@ def main() -> None:
         "gradient steps) on the bundled 100-episode "
         f"noisy:0.5 logs. Encoder: packaged all-MiniLM-L6-v2, {args.threads} torch thread(s). "
         f"Whole run: {minutes:.1f} min. At the rollout rates below (MiniLM encodes every new state text on CPU) "
-        "the default budget gives each run ~1k env steps, a few dozen episodes: it exercises the machinery and "
-        "shows where each policy starts, not what PPO reaches; `--iterations 100 --num-steps 128` (about half an "
-        "hour per run on 2 cores) is the real comparison.\n\n"
+        "a run of 12k env steps takes about a quarter of an hour on one core, so each simulator's runs take the "
+        "better part of an hour; `--sims` runs one simulator (three of them run side by side on 2 cores), and "
+        "`--tables-only` rebuilds this table from their caches.\n\n"
         + markdown_table(["envs", "vector", "torch threads", "rollout env steps/s", "bare env steps/s"], speed)
         + f"\n\nRollout throughput on {SIMS[args.sims[0]]} with the CQL policy ({args.throughput_steps} steps per "
         "setting, a cold text-embedding memo: every new state text is one MiniLM call); bare = the vector env "

@@ -74,6 +74,21 @@ env steps):
 Sampled training success stayed at 0.89 per 20 iterations (the sampled policy keeps its ~0.2 nats of
 entropy); the KL to the offline policy averaged 0.05, its target.
 
+CustomerSupport and Logistics do not improve that way (the online benchmark's grounded CQL runs of the
+bundled logs, greedy success on 50 episodes from seed 1000). CustomerSupport's offline policy succeeds
+26/50. Its failures: 6 tickets closed with problems open, 4 requests for the card's CVV, 3 deleted accounts,
+2 fraud-held accounts unlocked, the rest customers who left after errors. Where it asks for the CVV, it does
+so with probability 0.8-0.98. With the residual at lr 1e-2 (4 envs x 64 steps x 60 iterations, 15,360 env
+steps), one Adam step already crossed `max_update_kl`. So most iterations took a single minibatch step, and
+the KL to the offline policy jumped to 0.6-0.8 per step. CustomerSupport ended at 28/50 with the same 4 CVV
+requests and 3 deletions. At the states where the offline policy put 0.98 on the CVV request, the fine-tuned
+policy still put 0.95-0.98 on it. Logistics (12/50 offline) stood at 18/50 after 15 iterations and 14/50
+after 60. At lr 1e-3 with 8 envs x 64 steps, every iteration takes its 16 minibatch steps. CustomerSupport
+rose from 26/50 to 30, 33 and 35/50 after 10, 20 and 30 iterations (0.70 [0.56, 0.81]), though the sampled
+training success stayed at 0.4-0.7 without a trend. With that setting the benchmark (24 iterations, 12,288
+env steps) took CustomerSupport to 35/50; Logistics went from 12/50 to 17/50 and PipelineRepair stayed at
+46/50.
+
 The KL gradient: `-beta * KL(pi(.|s) || pi_ref(.|s))` is in the rewards (what the
 issue asks, and what GAE discounts), but the penalty at s does not depend on the
 action taken at s, so the clipped objective carries no gradient that moves
