@@ -43,6 +43,11 @@ SIMS = {
     "support": "offline_agent/CustomerSupport-v0",
 }
 EVAL_SEED = 1000
+# The residual's rate here, below PPOConfig's 3e-3: at 1e-2 one Adam step already crossed max_update_kl, so every
+# iteration stopped after one minibatch step and the KL to the offline policy jumped to 0.6-0.8 (CustomerSupport
+# and Logistics, 15k env steps: no gain); at 1e-3 all 16 minibatch steps of an iteration are taken. A copied
+# network keeps PPOConfig's much smaller default (its logits are Q / tau).
+RESIDUAL_LEARNING_RATE = 1e-3
 
 
 def offline_stage(sim: str, cache: Path, cql_steps: int, retrain: bool = False) -> Path:
@@ -223,11 +228,9 @@ def main() -> None:
     parser.add_argument("--target-kl", type=float, default=0.05)
     parser.add_argument("--kl-horizon", type=int, default=1000, help="env steps of the KL controller's horizon")
     parser.add_argument("--policy-init", default="residual", choices=["residual", "copy"])
-    # At 1e-2 one Adam step of the residual already crossed max_update_kl, so every iteration stopped after one
-    # minibatch step and the KL to the offline policy jumped to 0.6-0.8 (CustomerSupport and Logistics, 15k
-    # env steps: no gain); at 1e-3 all 16 minibatch steps of an iteration are taken.
-    parser.add_argument("--learning-rate", type=float, default=1e-3,
-                        help="fine-tuning learning rate (PPOConfig's default for --policy-init: pass it explicitly)")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help=f"fine-tuning learning rate [default: {RESIDUAL_LEARNING_RATE} for the residual policy, "
+                        "PPOConfig's for a copy]")
     parser.add_argument("--scratch-learning-rate", type=float, default=3e-4, help="PPO-from-scratch learning rate")
     parser.add_argument("--value-init", default="zero", choices=["critic", "zero"])
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
@@ -240,6 +243,8 @@ def main() -> None:
         "--tables-only", action="store_true", help="rebuild the tables from the cached runs and evaluations"
     )
     args = parser.parse_args()
+    if args.learning_rate is None and args.policy_init == "residual":
+        args.learning_rate = RESIDUAL_LEARNING_RATE
     cache = Path(args.cache)
     started = time.perf_counter()
     quality, cql_steps = [], {}
