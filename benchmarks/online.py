@@ -107,7 +107,7 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     out = {}
     for name, settings in (
         ("finetune", dict(target_kl=args.target_kl, kl_horizon=args.kl_horizon, value_init=args.value_init,
-                          policy_init=args.policy_init, learning_rate=args.learning_rate)),
+                          policy_init=args.policy_init, learning_rate=args.learning_rate, tau=args.tau)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         folder = cache / sim / name
@@ -233,6 +233,8 @@ def main() -> None:
                         "PPOConfig's for a copy]")
     parser.add_argument("--scratch-learning-rate", type=float, default=3e-4, help="PPO-from-scratch learning rate")
     parser.add_argument("--value-init", default="zero", choices=["critic", "zero"])
+    parser.add_argument("--tau", type=float, default=None,
+                        help="temperature of the fine-tuned and reference policy [default: the CQL checkpoint's]")
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
@@ -287,7 +289,8 @@ def main() -> None:
         "iteration(s), each evaluated like it (a run cut at k iterations is the same run's first k). Fine-tuning: "
         f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, target KL "
         f"{args.target_kl} (horizon {args.kl_horizon} env steps), policy {args.policy_init}, lr {fine_lr}, "
-        f"value head {args.value_init}; scratch: same steps, beta 0, "
+        f"tau {'of the CQL checkpoint' if args.tau is None else args.tau}, "
+        f"value head {args.value_init}; scratch: same steps, beta 0, the CQL checkpoint's tau, "
         f"lr {args.scratch_learning_rate}. Offline stage: CQL ({', '.join(f'{k} {v}' for k, v in cql_steps.items())} "
         "gradient steps) on the bundled 100-episode "
         f"noisy:0.5 logs. Encoder: packaged all-MiniLM-L6-v2, {args.threads} torch thread(s). "

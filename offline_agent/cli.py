@@ -373,6 +373,11 @@ def finetune_command(
     value_learning_rate: float | None = typer.Option(
         None, "--value-learning-rate", help="Adam learning rate of the value head [default: PPOConfig's]"
     ),
+    tau: float | None = typer.Option(
+        None, "--tau",
+        help="temperature of the fine-tuned and reference policy softmax(Q / tau) [default: RUN's]; a higher one "
+        "(0.5 for CQL's 0.1) keeps greedy play and lets PPO sample the alternatives",
+    ),
     checkpoint_every: int = typer.Option(
         5, "--checkpoint-every", help="resumable checkpoint (and env reset) every N iterations"
     ),
@@ -397,7 +402,7 @@ def finetune_command(
         kl_horizon=kl_horizon,
         policy_init=policy_init, kl_gradient=kl_gradient, learning_rate=learning_rate, vector=vector, device=device,
         from_scratch=from_scratch,
-        checkpoint_every=checkpoint_every, torch_threads=torch_threads,
+        checkpoint_every=checkpoint_every, torch_threads=torch_threads, tau=tau,
         **({} if value_learning_rate is None else {"value_learning_rate": value_learning_rate}),
     )
     result = finetune(

@@ -157,6 +157,7 @@ def _invoke(*args: str):
         (["--num-envs", "0"], "num-envs must be >= 1"),
         (["--torch-threads", "0"], "torch-threads must be >= 1"),
         (["--value-learning-rate", "0"], "value_learning_rate must be > 0"),
+        (["--tau", "0"], "--tau must be > 0"),
     ],
 )
 def test_bad_flags_are_one_line_errors(tiny, tmp_path, extra, message):
@@ -205,6 +206,22 @@ def test_the_command_line_passes_threads_learning_rates_and_the_policy_settings_
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "copy" / "policy.json").read_text())["config"]
     assert config["policy_init"] == "copy" and config["kl_gradient"] is False and config["learning_rate"] == 1e-5
+
+
+def test_tau_is_the_temperature_the_fine_tuned_policy_is_saved_and_played_with(tiny, tmp_path):
+    from offline_agent.learn.policy import Policy
+
+    result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "ft"), *FAST, "--iterations", "1",
+                     "--tau", "0.5")
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "ft" / "policy.json").read_text())
+    assert meta["config"]["tau"] == 0.5 and meta["tau"] == 0.5
+    assert meta["finetuned_from"]["tau"] == 1.0  # the offline checkpoint's, kept for the record
+    assert Policy.load(tmp_path / "ft").tau == 0.5
+    result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "plain"), *FAST, "--iterations", "1")
+    assert result.exit_code == 0, result.output
+    meta = json.loads((tmp_path / "plain" / "policy.json").read_text())
+    assert meta["config"]["tau"] is None and meta["tau"] == 1.0  # without --tau, the checkpoint's
 
 
 def test_a_checkpoint_from_before_the_value_learning_rate_resumes_as_it_would_have(tiny, tmp_path):

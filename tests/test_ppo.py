@@ -104,6 +104,8 @@ def test_adaptive_controller_keeps_moving_while_kl_stays_off_target_and_fixed_be
         ({"checkpoint_every": 0}, "checkpoint-every must be >= 1"),
         ({"kl_horizon": 0}, "kl-horizon must be >= 1"),
         ({"value_learning_rate": 0.0}, "value_learning_rate must be > 0"),
+        ({"tau": 0.0}, "--tau must be > 0"),
+        ({"tau": -0.5}, "--tau must be > 0"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_fix(settings, message):
@@ -188,6 +190,34 @@ def test_at_iteration_zero_the_policy_is_the_offline_policy(request, policy_init
         assert all(p.abs().sum() > 0 for p in trainer.model.value_mlp[-1].parameters())
         second = trainer.train_iteration()
         assert second["objective/kl"] > 0.0
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("policy_init", ["residual", "copy"])
+def test_tau_sets_the_temperature_of_the_policy_and_of_the_reference(tiny_run, policy_init):
+    torch.set_num_threads(1)
+    trainer = _trainer(tiny_run, policy_init=policy_init, tau=0.25)
+    try:
+        reference = trainer.reference
+        assert reference.tau == 1.0  # the checkpoint's own temperature, which --tau overrides
+        observations, infos = trainer.envs.reset(trainer.env_seeds(0))
+        for i, info in enumerate(infos):
+            trainer.featurizer.start(i, info["task"])
+        state, cands, mask, pair = trainer.featurizer.tensors(observations)
+        with torch.no_grad():
+            probs = torch.softmax(trainer.model.logits(state, cands, mask, pair), -1)
+        ref_probs = trainer.reference_policy(state, cands, mask, pair)[0].exp()
+        for i, observation in enumerate(observations):
+            text = reference.render(trainer.featurizer.histories[i], observation["text"])
+            q = torch.from_numpy(reference.score(text, observation["candidates"]))
+            expected = torch.softmax(q / 0.25, 0)
+            n = len(observation["candidates"])
+            torch.testing.assert_close(probs[i, :n], expected, atol=1e-6, rtol=0)
+            torch.testing.assert_close(ref_probs[i, :n], expected, atol=1e-6, rtol=0)
+            # A colder softmax than the checkpoint's: the same argmax, more mass on it.
+            assert probs[i, :n].max() > torch.softmax(q, 0).max()
+        assert trainer.train_iteration()["objective/kl"] == 0.0  # both at tau 0.25: the same policy
     finally:
         trainer.close()
 

@@ -179,11 +179,13 @@ def _policy_meta(
     meta = {k: v for k, v in reference.meta.items() if k not in ("format", "format_version", "network")}
     meta.update(
         algo="ppo",
-        finetuned_from={"path": str(source), "algo": reference.meta.get("algo")},
+        finetuned_from={"path": str(source), "algo": reference.meta.get("algo"), "tau": reference.meta.get("tau")},
         env=env,
         safety=safety.specs,
         config=asdict(config),
     )
+    if config.tau is not None:  # the fine-tuned logits are Q / tau at the temperature it was trained at
+        meta["tau"] = config.tau
     return meta
 
 

@@ -212,6 +212,11 @@ class PPOConfig:
     kl_horizon: int = field(
         default=1_000, metadata={"help": "env steps over which the controller moves beta by 20% at most"}
     )
+    tau: float | None = field(
+        default=None,
+        metadata={"help": "temperature of the fine-tuned and the reference policy, softmax(Q / tau), > 0 "
+                  "(default: the checkpoint's)"},
+    )
     value_init: Literal["critic", "zero"] = field(
         default="zero", metadata={"help": "critic: V = V_ref(s) + MLP residual; zero: a fresh MLP"}
     )
@@ -241,6 +246,8 @@ class PPOConfig:
             raise UserError(f"--beta must be >= 0, got {self.beta}; e.g. 0.1 (0 turns the KL penalty off)")
         if self.beta is None and self.target_kl is None:
             self.target_kl = DEFAULT_TARGET_KL
+        if self.tau is not None and not self.tau > 0:
+            raise UserError(f"--tau must be > 0, got {self.tau}; e.g. 0.5 (leave it out to keep the checkpoint's)")
         positive = ("iterations", "num_envs", "num_steps", "update_epochs", "num_minibatches", "kl_horizon")
         positive += ("checkpoint_every",)
         for name in positive + ("value_hidden", "torch_threads"):
@@ -476,7 +483,8 @@ class PPOTrainer:
         self.device = torch.device(c.device)
         self.reference = reference
         self.reference_net = reference.network.to(self.device).eval().requires_grad_(False)
-        self.tau = float(reference.tau)
+        # One temperature for both: with the checkpoint's Q, the policy at iteration 0 is the reference.
+        self.tau = float(reference.tau if c.tau is None else c.tau)
         if c.from_scratch:
             head = fresh_like(reference.network, c.seed).requires_grad_(True)
         elif c.policy_init == "residual":
