@@ -68,10 +68,11 @@ def offline_stage(sim: str, cache: Path, cql_steps: int, retrain: bool = False) 
     return run
 
 
-def evaluate_run(run: Path, env: str, episodes: int) -> tuple[int, int]:
+def evaluate_run(run: Path, env: str, episodes: int, safety: str | None = None) -> tuple[int, int]:
+    """(successes, episodes) of the greedy policy; behind `safety`, or the rules saved with the run if None."""
     from offline_agent.evaluate import evaluate
 
-    report = evaluate(run, env, episodes=episodes, seed=EVAL_SEED)
+    report = evaluate(run, env, episodes=episodes, seed=EVAL_SEED, safety=safety)
     return report.successes, report.episodes
 
 
@@ -94,6 +95,11 @@ def first_reaching(metrics, threshold: float = 0.95, min_episodes: int = 10) -> 
     return "not reached"
 
 
+def runs_folder(cache: Path, sim: str, safety: str | None) -> Path:
+    """Where a simulator's online runs and evaluations go; runs behind a safety filter keep their own."""
+    return cache / (f"{sim}-safety" if safety else sim)
+
+
 def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Namespace) -> dict:
     import polars as pl
 
@@ -110,9 +116,12 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
                           policy_init=args.policy_init, learning_rate=args.learning_rate, tau=args.tau)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
-        folder = cache / sim / name
+        if name == "scratch" and args.no_scratch:
+            continue
+        folder = runs_folder(cache, sim, args.safety) / name
         started = time.perf_counter()
-        finetune(run, env, folder, PPOConfig(**{**common, **settings}), overwrite=True, progress=sys.stderr.isatty())
+        finetune(run, env, folder, PPOConfig(**{**common, **settings}), safety=args.safety, overwrite=True,
+                 progress=sys.stderr.isatty())
         seconds = time.perf_counter() - started
         metrics = pl.read_parquet(folder / "metrics.parquet")
         out[name] = {"metrics": metrics, "seconds": seconds, "eval": evaluate_run(folder, env, args.episodes)}
@@ -135,8 +144,8 @@ def early_evals(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
 
     evals = {}
     for k in args.dip_iterations:
-        folder = cache / sim / f"finetune-{k}"
-        finetune(run, env, folder, config_type(**{**settings, "iterations": k}), overwrite=True)
+        folder = runs_folder(cache, sim, args.safety) / f"finetune-{k}"
+        finetune(run, env, folder, config_type(**{**settings, "iterations": k}), safety=args.safety, overwrite=True)
         evals[k] = evaluate_run(folder, env, args.episodes)
         print(f"[{sim}] after {k} iteration(s): {rate(*evals[k])}", flush=True)
     return evals
@@ -150,13 +159,14 @@ def cached_runs(folder: Path) -> tuple[tuple[int, int], dict]:
     runs = {
         name: {"metrics": pl.read_parquet(folder / name / "metrics.parquet"), "eval": tuple(evals[name])}
         for name in ("finetune", "scratch")
+        if name in evals
     }
     runs["early"] = {int(k): tuple(v) for k, v in evals.get("early", {}).items()}
     return tuple(evals["offline"]), runs
 
 
 def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
-    ft, scratch = runs["finetune"]["metrics"], runs["scratch"]["metrics"]
+    ft, scratch = runs["finetune"]["metrics"], runs.get("scratch", {}).get("metrics")
     start = offline[0] / offline[1]
     early = {k: s / n for k, (s, n) in runs.get("early", {}).items()}
     worst = min(early, key=early.get) if early else None
@@ -164,10 +174,10 @@ def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
         sim,
         rate(*offline),
         rate(*runs["finetune"]["eval"]),
-        rate(*runs["scratch"]["eval"]),
+        rate(*runs["scratch"]["eval"]) if scratch is not None else "not run",
         f"{int(ft['env_steps'].max()):,}",
         first_reaching(ft),
-        first_reaching(scratch),
+        first_reaching(scratch) if scratch is not None else "-",
         f"{ft['objective/kl'].mean():.4f}",
         f"{start:.2f} -> {early[worst]:.2f} after {worst}: {'yes' if early[worst] < start - 0.10 else 'no'}"
         if early else "-",
@@ -239,6 +249,10 @@ def main() -> None:
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
     parser.add_argument("--throughput-steps", type=int, default=64, help="rollout steps timed per setting")
+    parser.add_argument("--safety", default=None,
+                        help="a safety-filter spec every policy (the offline one too) trains and is evaluated behind; "
+                        "its runs, tables and result file are kept apart from the unfiltered ones")
+    parser.add_argument("--no-scratch", action="store_true", help="skip the PPO-from-scratch baseline")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (this machine has 2 cores)")
     parser.add_argument("--no-write", action="store_true", help="print the tables only")
     parser.add_argument(
@@ -248,6 +262,7 @@ def main() -> None:
     if args.learning_rate is None and args.policy_init == "residual":
         args.learning_rate = RESIDUAL_LEARNING_RATE
     cache = Path(args.cache)
+    tag = "-safety" if args.safety else ""  # runs behind a filter keep their own files
     started = time.perf_counter()
     quality, cql_steps = [], {}
     for sim in args.sims:
@@ -255,28 +270,31 @@ def main() -> None:
         run = offline_stage(sim, cache, args.cql_steps, args.retrain and not args.tables_only)
         cql_steps[sim] = json.loads((run / "policy.json").read_text())["config"]["steps"]
         if args.tables_only:
-            quality.append(quality_row(sim, *cached_runs(cache / sim)))
+            quality.append(quality_row(sim, *cached_runs(runs_folder(cache, sim, args.safety))))
             continue
-        offline = evaluate_run(run, env, args.episodes)
+        offline = evaluate_run(run, env, args.episodes, args.safety)
         print(f"[{sim}] offline CQL: {rate(*offline)}", flush=True)
         runs = online_runs(sim, env, run, cache, args)
-        evals = {"offline": offline, **{name: runs[name]["eval"] for name in ("finetune", "scratch")},
+        evals = {"offline": offline, **{name: runs[name]["eval"] for name in ("finetune", "scratch") if name in runs},
                  "early": runs["early"]}
-        (cache / sim / "evals.json").write_text(json.dumps(evals) + "\n")
+        (runs_folder(cache, sim, args.safety) / "evals.json").write_text(json.dumps(evals) + "\n")
         quality.append(quality_row(sim, offline, runs))
     header = [
         "simulator", "offline CQL", "CQL + PPO/KL", "PPO from scratch", "env steps each",
         "steps to 95% (fine-tune)", "steps to 95% (scratch)", "mean KL to offline", "early dip > 10 pts",
     ]
     if args.tables_only:
-        speed, minutes = json.loads((cache / "throughput.json").read_text()), float("nan")
-    else:
-        speed = throughput(cache / args.sims[0] / "cql", SIMS[args.sims[0]], args.throughput_steps, args.threads)
+        speed, minutes = json.loads((cache / "throughput.json").read_text()) if not tag else [], float("nan")
+    else:  # the filter changes nothing of the rollout speed: its throughput table is the unfiltered one's
+        speed = [] if tag else throughput(
+            cache / args.sims[0] / "cql", SIMS[args.sims[0]], args.throughput_steps, args.threads
+        )
         minutes = (time.perf_counter() - started) / 60
-        (cache / "throughput.json").write_text(json.dumps(speed) + "\n")
-        (cache / "minutes.json").write_text(json.dumps(minutes) + "\n")
-    if args.tables_only and (cache / "minutes.json").is_file():
-        minutes = json.loads((cache / "minutes.json").read_text())
+        if not tag:
+            (cache / "throughput.json").write_text(json.dumps(speed) + "\n")
+        (cache / f"minutes{tag}.json").write_text(json.dumps(minutes) + "\n")
+    if args.tables_only and (cache / f"minutes{tag}.json").is_file():
+        minutes = json.loads((cache / f"minutes{tag}.json").read_text())
     from offline_agent.online.ppo import PPOConfig
 
     fine_lr = PPOConfig(policy_init=args.policy_init, learning_rate=args.learning_rate).learning_rate
@@ -290,22 +308,39 @@ def main() -> None:
         f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, target KL "
         f"{args.target_kl} (horizon {args.kl_horizon} env steps), policy {args.policy_init}, lr {fine_lr}, "
         f"tau {'of the CQL checkpoint' if args.tau is None else args.tau}, "
-        f"value head {args.value_init}; scratch: same steps, beta 0, the CQL checkpoint's tau, "
-        f"lr {args.scratch_learning_rate}. Offline stage: CQL ({', '.join(f'{k} {v}' for k, v in cql_steps.items())} "
+        f"value head {args.value_init}; "
+        + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "
+           f"lr {args.scratch_learning_rate}")
+        + f". Offline stage: CQL ({', '.join(f'{k} {v}' for k, v in cql_steps.items())} "
         "gradient steps) on the bundled 100-episode "
         f"noisy:0.5 logs. Encoder: packaged all-MiniLM-L6-v2, {args.threads} torch thread(s). "
-        f"Whole run: {minutes:.1f} min. At the rollout rates below (MiniLM encodes every new state text on CPU) "
+        f"Whole run: {minutes:.1f} min. At the rollout rates of the throughput table (MiniLM encodes every new state "
+        "text on CPU) "
         "a run of 12k env steps takes about a quarter of an hour on one core, so each simulator's runs take the "
         "better part of an hour; `--sims` runs one simulator (three of them run side by side on 2 cores), and "
-        "`--tables-only` rebuilds this table from their caches.\n\n"
-        + markdown_table(["envs", "vector", "torch threads", "rollout env steps/s", "bare env steps/s"], speed)
-        + f"\n\nRollout throughput on {SIMS[args.sims[0]]} with the CQL policy ({args.throughput_steps} steps per "
-        "setting, a cold text-embedding memo: every new state text is one MiniLM call); bare = the vector env "
-        "alone with random actions for 1 s."
+        "`--tables-only` rebuilds this table from their caches."
     )
-    command = "python benchmarks/online.py " + " ".join(a for a in sys.argv[1:] if a != "--tables-only")
+    if args.safety:
+        table += (
+            f" Every policy, the offline CQL one included, acts behind the safety filter `{args.safety}`: the "
+            "online runs roll out behind it and every evaluation applies it, so a forbidden candidate is never "
+            "offered (the unfiltered runs are the online fine-tuning table's)."
+        )
+    else:
+        table += (
+            "\n\n"
+            + markdown_table(["envs", "vector", "torch threads", "rollout env steps/s", "bare env steps/s"], speed)
+            + f"\n\nRollout throughput on {SIMS[args.sims[0]]} with the CQL policy ({args.throughput_steps} steps "
+            "per setting, a cold text-embedding memo: every new state text is one MiniLM call); bare = the vector "
+            "env alone with random actions for 1 s."
+        )
+    command = "python benchmarks/online.py " + " ".join(
+        f"'{a}'" if ";" in a or " " in a else a for a in sys.argv[1:] if a != "--tables-only"
+    )
     if args.no_write:
         print(table)
+    elif args.safety:
+        write_result("online_safety", "Online fine-tuning behind a safety filter", table, command.strip())
     else:
         write_result("online", "Online fine-tuning (PPO + KL from CQL)", table, command.strip())
 

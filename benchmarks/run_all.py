@@ -31,6 +31,9 @@ BENCHMARKS = [
     ("encoder_tuning", "encoder_tuning.py", []),
     ("real_logs_auc", "real_logs_auc.py", []),
     ("online", "online.py", []),
+    # The rules a support team would write first: never ask for a card's CVV, never delete an account.
+    ("online_safety", "online.py", ["--sims", "support", "--safety", "deny:delete_account;regex:CVV",
+                                     "--no-scratch"]),
 ]
 
 
