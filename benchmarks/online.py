@@ -9,9 +9,10 @@ For each built-in simulator:
    which no training rollout uses);
 3. fine-tune it with PPO + KL (`--iterations` x `--num-envs` x `--num-steps`
    env steps, adaptive beta with `--target-kl`, the library's residual policy
-   unless `--policy-init copy`), evaluate the result the same way;
+   unless `--policy-init copy`, the fine-tuned and reference policy at
+   temperature `--tau`), evaluate the result the same way;
 4. PPO from scratch (same architecture, fresh weights, no KL) for the same
-   number of env steps, evaluated the same way.
+   number of env steps, evaluated the same way (`--no-scratch` skips it).
 
 The table gives success rates with 95% Wilson intervals, the env steps at which
 the (sampled) training success rate first reached 95%, the mean per-step KL to
@@ -21,7 +22,11 @@ iterations, evaluated like the offline one. A second table gives rollout through
 policy and encoder included) with 1, 2 and 4 environments, in-process and in
 worker processes, and the simulators' own speed through the same vector envs.
 
-Prints the tables and writes them to benchmarks/results/online.md.
+Prints the tables and writes them to benchmarks/results/online.md. With
+`--safety SPEC`, every policy (the offline one too) is trained and evaluated
+behind that safety filter, its runs kept in `<sim>-safety/` of the cache and
+its table in benchmarks/results/online_safety.md: what a team that deploys the
+filter would see, reported apart from what the learner does alone.
 """
 
 from __future__ import annotations
@@ -95,9 +100,15 @@ def first_reaching(metrics, threshold: float = 0.95, min_episodes: int = 10) -> 
     return "not reached"
 
 
-def runs_folder(cache: Path, sim: str, safety: str | None) -> Path:
-    """Where a simulator's online runs and evaluations go; runs behind a safety filter keep their own."""
-    return cache / (f"{sim}-safety" if safety else sim)
+def variant(args: argparse.Namespace) -> str:
+    """'' for the default settings, else a tag of what differs ('-tau0.5', '-safety', '-tau0.5-safety'): the runs,
+    evaluations and result file of a variant are kept apart from the default's."""
+    return ("" if args.tau is None else f"-tau{args.tau:g}") + ("-safety" if args.safety else "")
+
+
+def runs_folder(cache: Path, sim: str, args: argparse.Namespace) -> Path:
+    """Where a simulator's online runs and evaluations go (its offline stage is shared by every variant)."""
+    return cache / f"{sim}{variant(args)}"
 
 
 def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Namespace) -> dict:
@@ -118,7 +129,7 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     ):
         if name == "scratch" and args.no_scratch:
             continue
-        folder = runs_folder(cache, sim, args.safety) / name
+        folder = runs_folder(cache, sim, args) / name
         started = time.perf_counter()
         finetune(run, env, folder, PPOConfig(**{**common, **settings}), safety=args.safety, overwrite=True,
                  progress=sys.stderr.isatty())
@@ -144,7 +155,7 @@ def early_evals(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
 
     evals = {}
     for k in args.dip_iterations:
-        folder = runs_folder(cache, sim, args.safety) / f"finetune-{k}"
+        folder = runs_folder(cache, sim, args) / f"finetune-{k}"
         finetune(run, env, folder, config_type(**{**settings, "iterations": k}), safety=args.safety, overwrite=True)
         evals[k] = evaluate_run(folder, env, args.episodes)
         print(f"[{sim}] after {k} iteration(s): {rate(*evals[k])}", flush=True)
@@ -262,7 +273,7 @@ def main() -> None:
     if args.learning_rate is None and args.policy_init == "residual":
         args.learning_rate = RESIDUAL_LEARNING_RATE
     cache = Path(args.cache)
-    tag = "-safety" if args.safety else ""  # runs behind a filter keep their own files
+    tag = variant(args)
     started = time.perf_counter()
     quality, cql_steps = [], {}
     for sim in args.sims:
@@ -270,14 +281,14 @@ def main() -> None:
         run = offline_stage(sim, cache, args.cql_steps, args.retrain and not args.tables_only)
         cql_steps[sim] = json.loads((run / "policy.json").read_text())["config"]["steps"]
         if args.tables_only:
-            quality.append(quality_row(sim, *cached_runs(runs_folder(cache, sim, args.safety))))
+            quality.append(quality_row(sim, *cached_runs(runs_folder(cache, sim, args))))
             continue
         offline = evaluate_run(run, env, args.episodes, args.safety)
         print(f"[{sim}] offline CQL: {rate(*offline)}", flush=True)
         runs = online_runs(sim, env, run, cache, args)
         evals = {"offline": offline, **{name: runs[name]["eval"] for name in ("finetune", "scratch") if name in runs},
                  "early": runs["early"]}
-        (runs_folder(cache, sim, args.safety) / "evals.json").write_text(json.dumps(evals) + "\n")
+        (runs_folder(cache, sim, args) / "evals.json").write_text(json.dumps(evals) + "\n")
         quality.append(quality_row(sim, offline, runs))
     header = [
         "simulator", "offline CQL", "CQL + PPO/KL", "PPO from scratch", "env steps each",
@@ -285,7 +296,7 @@ def main() -> None:
     ]
     if args.tables_only:
         speed, minutes = json.loads((cache / "throughput.json").read_text()) if not tag else [], float("nan")
-    else:  # the filter changes nothing of the rollout speed: its throughput table is the unfiltered one's
+    else:  # a variant changes nothing of the rollout speed: the throughput table is the default run's
         speed = [] if tag else throughput(
             cache / args.sims[0] / "cql", SIMS[args.sims[0]], args.throughput_steps, args.threads
         )
@@ -324,8 +335,10 @@ def main() -> None:
         table += (
             f" Every policy, the offline CQL one included, acts behind the safety filter `{args.safety}`: the "
             "online runs roll out behind it and every evaluation applies it, so a forbidden candidate is never "
-            "offered (the unfiltered runs are the online fine-tuning table's)."
+            "offered (the same settings without the filter are the table without `--safety`)."
         )
+    if tag:
+        table += " The rollout throughput of these runs is the default run's (benchmarks/results/online.md)."
     else:
         table += (
             "\n\n"
@@ -339,10 +352,10 @@ def main() -> None:
     )
     if args.no_write:
         print(table)
-    elif args.safety:
-        write_result("online_safety", "Online fine-tuning behind a safety filter", table, command.strip())
     else:
-        write_result("online", "Online fine-tuning (PPO + KL from CQL)", table, command.strip())
+        title = "Online fine-tuning (PPO + KL from CQL)" + (f", tau {args.tau:g}" if args.tau is not None else "")
+        title += ", behind a safety filter" if args.safety else ""
+        write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())
 
 
 if __name__ == "__main__":

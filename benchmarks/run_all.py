@@ -31,9 +31,11 @@ BENCHMARKS = [
     ("encoder_tuning", "encoder_tuning.py", []),
     ("real_logs_auc", "real_logs_auc.py", []),
     ("online", "online.py", []),
-    # The rules a support team would write first: never ask for a card's CVV, never delete an account.
-    ("online_safety", "online.py", ["--sims", "support", "--safety", "deny:delete_account;regex:CVV",
-                                     "--no-scratch"]),
+    # A warmer start (--tau 0.5), then the same behind the rules a support team would write first: never ask for
+    # a card's CVV, never delete an account.
+    ("online_tau05", "online.py", ["--tau", "0.5", "--no-scratch"]),
+    ("online_tau05_safety", "online.py", ["--sims", "support", "--tau", "0.5", "--no-scratch",
+                                          "--safety", "deny:delete_account;regex:CVV"]),
 ]
 
 

@@ -89,6 +89,23 @@ training success stayed at 0.4-0.7 without a trend. With that setting the benchm
 env steps) took CustomerSupport to 35/50; Logistics went from 12/50 to 17/50 and PipelineRepair stayed at
 46/50.
 
+A warmer start (`tau`; the online benchmark with `--tau 0.5`, otherwise the same settings, from CQL runs of the
+same logs retrained on 2026-12-01, whose greedy success differs by a few episodes from the runs above). With the
+policy and the reference both at tau 0.5 instead of CQL's 0.1, greedy play at iteration 0 is unchanged, the
+first rollouts have 1.2-1.3 nats of entropy a step, and PPO samples the alternatives to a confident wrong call.
+Greedy success on 50 episodes from seed 1000, offline then after 24 iterations (12,288 env steps):
+- PipelineRepair 44/50 -> 48/50 (0.96 [0.87, 0.99]); sampled training success rose from 0.47 to ~0.8;
+- CustomerSupport 27/50 -> 40/50 (0.80 [0.67, 0.89]; at tau 0.1 the benchmark had gone from 26 to 35);
+  behind `deny:delete_account;regex:CVV` 29/50 -> 41/50, the filter removing 3,469 candidates on the way;
+- Logistics 15/50 -> 0/50. Its sampled episodes (15 steps, 1.3 nats of entropy a step) almost never
+  succeeded (0-5% per iteration, none after iteration 10), so the score carried no signal. The normalised
+  advantages were then noise scaled to unit size, and the policy walked away from the reference. The per-step
+  KL rose from 0.01 to 0.98 by iteration 19, twenty times the 0.05 target. The controller, which moves beta
+  by at most 20% per 1,000 env steps, only raised beta from 0.06 to 0.20.
+So `tau` stays an option (default: the checkpoint's). It helps where sampling at that temperature still
+succeeds; where an episode needs 15 right calls in a row, it needs a KL controller that reacts within an
+iteration, or advantages left unnormalised when a rollout has no successes.
+
 The KL gradient: `-beta * KL(pi(.|s) || pi_ref(.|s))` is in the rewards (what the
 issue asks, and what GAE discounts), but the penalty at s does not depend on the
 action taken at s, so the clipped objective carries no gradient that moves
