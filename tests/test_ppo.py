@@ -147,6 +147,17 @@ def tiny_grounded_run(tmp_path_factory):
     return tiny_checkpoint(root / "run", tiny_encoder_folder(root / "encoder"), pair_dim=PAIR_DIM)
 
 
+def _first_decision(trainer):
+    """The first observations after a reset, their tensors, and the trainer's policy over their candidates."""
+    observations, infos = trainer.envs.reset(trainer.env_seeds(0))
+    for i, info in enumerate(infos):
+        trainer.featurizer.start(i, info["task"])
+    tensors = trainer.featurizer.tensors(observations)
+    with torch.no_grad():
+        probs = torch.softmax(trainer.model.logits(*tensors), -1)
+    return observations, tensors, probs
+
+
 @pytest.mark.parametrize(
     ("policy_init", "run_fixture"), [("residual", "tiny_run"), ("copy", "tiny_run"), ("residual", "tiny_grounded_run")]
 )
@@ -155,12 +166,7 @@ def test_at_iteration_zero_the_policy_is_the_offline_policy(request, policy_init
     tiny_run = request.getfixturevalue(run_fixture)
     trainer = _trainer(tiny_run, policy_init=policy_init)
     try:
-        observations, infos = trainer.envs.reset(trainer.env_seeds(0))
-        for i, info in enumerate(infos):
-            trainer.featurizer.start(i, info["task"])
-        state, cands, mask, pair = trainer.featurizer.tensors(observations)
-        with torch.no_grad():
-            probs = torch.softmax(trainer.model.logits(state, cands, mask, pair), -1)
+        observations, (state, cands, mask, pair), probs = _first_decision(trainer)
         reference = trainer.reference
         for i, observation in enumerate(observations):
             text = reference.render(trainer.featurizer.histories[i], observation["text"])
@@ -201,12 +207,7 @@ def test_tau_sets_the_temperature_of_the_policy_and_of_the_reference(tiny_run, p
     try:
         reference = trainer.reference
         assert reference.tau == 1.0  # the checkpoint's own temperature, which --tau overrides
-        observations, infos = trainer.envs.reset(trainer.env_seeds(0))
-        for i, info in enumerate(infos):
-            trainer.featurizer.start(i, info["task"])
-        state, cands, mask, pair = trainer.featurizer.tensors(observations)
-        with torch.no_grad():
-            probs = torch.softmax(trainer.model.logits(state, cands, mask, pair), -1)
+        observations, (state, cands, mask, pair), probs = _first_decision(trainer)
         ref_probs = trainer.reference_policy(state, cands, mask, pair)[0].exp()
         for i, observation in enumerate(observations):
             text = reference.render(trainer.featurizer.histories[i], observation["text"])
