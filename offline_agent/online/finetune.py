@@ -5,6 +5,7 @@ The run folder RUN2 holds
     policy.safetensors, policy.json   the fine-tuned policy head, in the offline checkpoint's format (algo "ppo"):
                                       `Policy.load(RUN2)` and `offline-agent evaluate RUN2` read it as they read
                                       RUN; policy.json also keeps the safety rules ("safety") it was tuned under
+                                      and the temperature ("tau", `--tau` or RUN's) it was tuned at
     metrics.parquet                   one row per iteration (names in `ppo.METRICS`), readable with DuckDB
     curves.png                        success rate, return, KL and beta against iterations
     resume.safetensors                the resume state (below); written every `config.checkpoint_every` iterations
