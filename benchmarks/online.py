@@ -24,9 +24,10 @@ worker processes, and the simulators' own speed through the same vector envs.
 
 Prints the tables and writes them to benchmarks/results/online.md. With
 `--safety SPEC`, every policy (the offline one too) is trained and evaluated
-behind that safety filter, its runs kept in `<sim>-safety/` of the cache and
-its table in benchmarks/results/online_safety.md: what a team that deploys the
-filter would see, reported apart from what the learner does alone.
+behind that safety filter: what a team that deploys the filter would see,
+reported apart from what the learner does alone. A variant (`--tau`,
+`--safety`) keeps its runs in `<sim><tag>/` of the cache (`support-tau0.5-safety/`)
+and its table in benchmarks/results/online<tag>.md (`online_tau05_safety.md`).
 """
 
 from __future__ import annotations

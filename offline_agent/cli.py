@@ -376,7 +376,7 @@ def finetune_command(
     tau: float | None = typer.Option(
         None, "--tau",
         help="temperature of the fine-tuned and reference policy softmax(Q / tau) [default: RUN's]; a higher one "
-        "(0.5 for CQL's 0.1) keeps greedy play and lets PPO sample the alternatives",
+        "keeps greedy play and lets PPO sample alternatives, where sampled episodes still succeed (README)",
     ),
     checkpoint_every: int = typer.Option(
         5, "--checkpoint-every", help="resumable checkpoint (and env reset) every N iterations"
