@@ -166,7 +166,7 @@ def test_at_iteration_zero_the_policy_is_the_offline_policy(request, policy_init
     tiny_run = request.getfixturevalue(run_fixture)
     trainer = _trainer(tiny_run, policy_init=policy_init)
     try:
-        observations, (state, cands, mask, pair), probs = _first_decision(trainer)
+        observations, _, probs = _first_decision(trainer)
         reference = trainer.reference
         for i, observation in enumerate(observations):
             text = reference.render(trainer.featurizer.histories[i], observation["text"])

@@ -137,7 +137,7 @@ def finetune(
                 resumed_from = load_state(state_path, trainer, identity)
                 if (out / METRICS_FILE).is_file():
                     rows = pl.read_parquet(out / METRICS_FILE).filter(pl.col("iteration") <= resumed_from).to_dicts()
-            meta = _policy_meta(reference, env, config, safety_filter, source)
+            meta = _policy_meta(reference, env, config, safety_filter, source, trainer.tau)
             # A policy over a tuned encoder carries its layers along: the fine-tuned one plays with them too.
             encoder_layers = tuned_layers(source, reference.meta)
             with _progress(progress, config.iterations, trainer.iteration) as advance:
@@ -174,9 +174,10 @@ def finetune(
 
 
 def _policy_meta(
-    reference: Any, env: str, config: PPOConfig, safety: SafetyFilter, source: Path
+    reference: Any, env: str, config: PPOConfig, safety: SafetyFilter, source: Path, tau: float
 ) -> dict[str, Any]:
-    """policy.json of the fine-tuned policy: the reference's (encoder, renderer, tau) plus where it came from."""
+    """policy.json of the fine-tuned policy: the reference's (encoder, renderer) plus where it came from, at the
+    temperature `tau` the trainer played it at (its logits are Q / tau)."""
     meta = {k: v for k, v in reference.meta.items() if k not in ("format", "format_version", "network")}
     meta.update(
         algo="ppo",
@@ -184,9 +185,8 @@ def _policy_meta(
         env=env,
         safety=safety.specs,
         config=asdict(config),
+        tau=tau,
     )
-    if config.tau is not None:  # the fine-tuned logits are Q / tau at the temperature it was trained at
-        meta["tau"] = config.tau
     return meta
 
 
