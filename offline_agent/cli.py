@@ -378,6 +378,11 @@ def finetune_command(
         help="temperature of the fine-tuned and reference policy softmax(Q / tau) [default: RUN's]; a higher one "
         "keeps greedy play and lets PPO sample alternatives, where sampled episodes still succeed (README)",
     ),
+    subgoal_shaping: float = typer.Option(
+        0.0, "--subgoal-shaping",
+        help="weight of potential-based shaping on the env's sub-goals (info sub_goals_done / sub_goals_total): "
+        "credits a step that completes one at once, leaves the best policy unchanged [default: 0, off]",
+    ),
     checkpoint_every: int = typer.Option(
         5, "--checkpoint-every", help="resumable checkpoint (and env reset) every N iterations"
     ),
@@ -402,7 +407,7 @@ def finetune_command(
         kl_horizon=kl_horizon,
         policy_init=policy_init, kl_gradient=kl_gradient, learning_rate=learning_rate, vector=vector, device=device,
         from_scratch=from_scratch,
-        checkpoint_every=checkpoint_every, torch_threads=torch_threads, tau=tau,
+        checkpoint_every=checkpoint_every, torch_threads=torch_threads, tau=tau, subgoal_shaping=subgoal_shaping,
         **({} if value_learning_rate is None else {"value_learning_rate": value_learning_rate}),
     )
     result = finetune(

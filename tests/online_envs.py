@@ -73,6 +73,24 @@ class Trap(Widget):
         self.candidates = (DROP,) if self.steps else (WAIT,)
 
 
+class Errand(Widget):
+    """The widget with two sub-goals in its info: look at it first (`wait`), then repair it."""
+
+    def reset(self, *, seed=None, options=None):
+        self.waited = False
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        self.waited |= self.candidates[int(action)] == WAIT
+        observation, reward, terminated, truncated, info = super().step(action)
+        done = int(self.waited) + int(info["success"])
+        return observation, reward, terminated, truncated, {**info, "sub_goals_done": done, "sub_goals_total": 2}
+
+
+def make_errand() -> Errand:
+    return Errand()
+
+
 def make_widget(**kwargs: Any) -> Widget:
     return Widget(**kwargs)
 

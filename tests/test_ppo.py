@@ -5,12 +5,21 @@ from __future__ import annotations
 import math
 import re
 
+import numpy as np
 import pytest
 import torch
 
 from offline_agent.errors import UserError
 from offline_agent.online.kl import AdaptiveKLController, FixedKLController, entropy, exact_kl, masked_log_softmax
-from offline_agent.online.ppo import PPOConfig, PPOTrainer, clipped_policy_loss, expected_value, gae
+from offline_agent.online.ppo import (
+    PPOConfig,
+    PPOTrainer,
+    clipped_policy_loss,
+    expected_value,
+    gae,
+    shaping_reward,
+    subgoal_potential,
+)
 
 # --- exact values ---------------------------------------------------------------------------------------
 
@@ -87,6 +96,34 @@ def test_adaptive_controller_keeps_moving_while_kl_stays_off_target_and_fixed_be
     assert fixed.beta == 0.1
 
 
+def test_shaping_reward_credits_progress_and_zeroes_the_potential_after_an_episode_ends():
+    potential = np.array([0.0, 0.5, 0.5])
+    next_potential = np.array([0.5, 1.0, 0.5])
+    done = np.array([False, True, False])
+    # 0.9 * 0.5 - 0;  the episode ended: 0 - 0.5;  no progress: 0.9 * 0.5 - 0.5
+    np.testing.assert_allclose(shaping_reward(potential, next_potential, done, 0.9), [0.45, -0.5, -0.05])
+
+
+def test_shaping_of_an_episode_sums_discounted_to_minus_the_start_potential():
+    phis = [0.25, 0.5, 0.5, 0.75, 1.0]  # Phi(s_0) .. Phi(s_4); the episode ends after the step from s_4
+    gamma = 0.9
+    terms = [
+        shaping_reward(np.array([phis[t]]), np.array([phis[t + 1] if t + 1 < len(phis) else 0.3]),
+                       np.array([t == len(phis) - 1]), gamma)[0]
+        for t in range(len(phis))
+    ]
+    assert sum(gamma**t * f for t, f in enumerate(terms)) == pytest.approx(-phis[0])
+
+
+@pytest.mark.parametrize(
+    ("info", "phi"),
+    [({"sub_goals_done": 1, "sub_goals_total": 4}, 0.25), ({"sub_goals_done": 0, "sub_goals_total": 0}, 0.0),
+     ({"success": True}, 0.0), (None, 0.0)],
+)
+def test_subgoal_potential_is_the_share_done_and_zero_where_the_env_says_nothing(info, phi):
+    assert subgoal_potential(info) == phi
+
+
 # --- config ----------------------------------------------------------------------------------------------
 
 
@@ -106,6 +143,7 @@ def test_adaptive_controller_keeps_moving_while_kl_stays_off_target_and_fixed_be
         ({"value_learning_rate": 0.0}, "value_learning_rate must be > 0"),
         ({"tau": 0.0}, "--tau must be > 0"),
         ({"tau": -0.5}, "--tau must be > 0"),
+        ({"subgoal_shaping": -1.0}, "subgoal_shaping must be >= 0"),
     ],
 )
 def test_config_rejects_bad_values_naming_the_fix(settings, message):
@@ -327,3 +365,36 @@ def test_a_residual_network_starts_as_its_base_trains_only_its_correction_and_re
     rebuilt = build_network(twice.config())
     rebuilt.load_state_dict(twice.state_dict(), strict=True)
     torch.testing.assert_close(rebuilt.q_values(state, cands, mask), q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.5])
+def test_subgoal_shaping_in_the_rollout_rewards_follows_the_env_sub_goals(tiny_run, weight):
+    """Errand's sub-goals: look (wait), then repair. Each step's shaping, recomputed from the calls the env
+    executed, is in the rewards the trainer stores; with weight 0 the rewards are the env's."""
+    from online_envs import DROP, EXECUTED, REPAIR, WAIT
+
+    from offline_agent.learn.policy import Policy
+
+    gamma, T, N = 0.9, 16, 2
+    config = PPOConfig(num_envs=N, num_steps=T, vector="sync", beta=0.0, gamma=gamma, subgoal_shaping=weight)
+    trainer = PPOTrainer(Policy.load(tiny_run), "online_envs:make_errand", config)
+    try:
+        EXECUTED.clear()
+        trainer.collect_rollout(beta=0.0)
+    finally:
+        trainer.close()
+    chosen = [EXECUTED[t * N : (t + 1) * N] for t in range(T)]  # sync envs step in order: env 0, then env 1
+    expected = np.zeros((T, N))
+    for i in range(N):
+        phi, waited, steps = 0.0, False, 0
+        for t in range(T):
+            call = chosen[t][i]
+            waited |= call == WAIT
+            steps += 1
+            done = call in (REPAIR, DROP) or steps >= 4
+            next_phi = (int(waited) + int(call == REPAIR)) / 2
+            expected[t, i] = weight * ((0.0 if done else gamma * next_phi) - phi)
+            phi, waited, steps = (0.0, False, 0) if done else (next_phi, waited, steps)
+    assert weight == 0.0 or np.abs(expected).max() > 0  # the rollout did make (and end with) progress
+    np.testing.assert_allclose(trainer.shaping.numpy(), expected, atol=1e-6)
+    torch.testing.assert_close(trainer.rewards, trainer.scores + trainer.shaping)

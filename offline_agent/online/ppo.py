@@ -165,6 +165,7 @@ METRICS = (
     "objective/beta",
     "objective/non_score_reward",
     "objective/score",
+    "objective/shaping",
     "policy/approx_kl",
     "policy/clipfrac",
     "policy/entropy",
@@ -235,6 +236,11 @@ class PPOConfig:
         metadata={"help": "temperature of the fine-tuned and the reference policy, softmax(Q / tau), > 0 "
                   "(default: the checkpoint's)"},
     )
+    subgoal_shaping: float = field(
+        default=0.0,
+        metadata={"help": "weight W of potential-based shaping on the environment's sub-goals, "
+                  "W * (gamma * Phi(s') - Phi(s)) with Phi = sub_goals_done / sub_goals_total; 0 = off"},
+    )
     value_init: Literal["critic", "zero"] = field(
         default="zero", metadata={"help": "critic: V = V_ref(s) + MLP residual; zero: a fresh MLP"}
     )
@@ -292,7 +298,7 @@ class PPOConfig:
         for name in ("learning_rate", "value_learning_rate", "clip_coef", "max_grad_norm", "init_beta"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("ent_coef", "vf_coef"):
+        for name in ("ent_coef", "vf_coef", "subgoal_shaping"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.value_init not in ("critic", "zero"):
@@ -366,6 +372,24 @@ def clipped_policy_loss(
 def expected_value(logp: torch.Tensor, q: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """V(s) = sum_a pi(a|s) Q(s, a) over valid candidates: logp, q (B, C) (-inf where masked), mask (B, C) -> (B,)."""
     return (mask * logp.masked_fill(~mask, 0.0).exp() * q.masked_fill(~mask, 0.0)).sum(-1)
+
+
+def subgoal_potential(info: dict[str, Any] | None) -> float:
+    """Phi of the state after a step: the share of its episode's sub-goals done (`sub_goals_done /
+    sub_goals_total` of the step's info), 0 where the environment does not report them."""
+    done, total = (info or {}).get("sub_goals_done"), (info or {}).get("sub_goals_total")
+    return float(done) / float(total) if done is not None and total else 0.0
+
+
+def shaping_reward(potential: np.ndarray, next_potential: np.ndarray, done: np.ndarray, gamma: float) -> np.ndarray:
+    """Potential-based shaping (Ng, Harada & Russell 1999) of N steps: `gamma * Phi(s') * (1 - done) - Phi(s)`.
+
+    potential, next_potential: (N,) Phi before and after each step; done: (N,) bool. Phi of the state after
+    an episode's last step is 0, so an episode's shaping terms sum (discounted) to -Phi(s_0): the best policy
+    is unchanged, but a step that completes a sub-goal is credited at once, and the step that ends an episode
+    short of its goal gives back what was credited.
+    """
+    return gamma * np.where(done, 0.0, next_potential) - potential
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -534,6 +558,7 @@ class PPOTrainer:
         self.observations: list[dict[str, Any]] | None = None  # what to act on next; None = reset first
         self.running_return = np.zeros(c.num_envs)
         self.running_length = np.zeros(c.num_envs, dtype=np.int64)
+        self.potential = np.zeros(c.num_envs)  # Phi of each environment's current state (subgoal_shaping)
         self.envs = make_vector_env(env_spec, c.num_envs, self.safety.specs, c.vector)
         self.featurizer = Featurizer(reference, c.num_envs, self.envs.max_candidates)
         T, N, C, D = c.num_steps, c.num_envs, self.envs.max_candidates, int(reference.encoder.dim)
@@ -549,6 +574,7 @@ class PPOTrainer:
         self.ref_logps = torch.zeros(T, N, C)  # log pi_ref over the candidates, -inf in padding slots
         self.rewards = torch.zeros(T, N)  # r - beta * KL
         self.scores = torch.zeros(T, N)  # r, the environment's reward
+        self.shaping = torch.zeros(T, N)  # W * (gamma * Phi(s') - Phi(s)), 0 without subgoal_shaping
         self.kls = torch.zeros(T, N)
         self.dones = torch.zeros(T, N)
 
@@ -614,6 +640,7 @@ class PPOTrainer:
             "objective/beta": beta,
             "objective/non_score_reward": float((-beta * self.kls).mean()),
             "objective/score": float(self.scores.mean()),
+            "objective/shaping": float(self.shaping.mean()),
             **update,
             **stats,
             "time/steps_per_second": c.batch_size / (time.perf_counter() - start),
@@ -628,6 +655,7 @@ class PPOTrainer:
             for i, info in enumerate(reset_infos):
                 f.start(i, task_text(info, None, self.observations[i]))
                 add_blocked(blocked, (info or {}).get("safety_blocked"))
+                self.potential[i] = subgoal_potential(info)
             self.running_return[:], self.running_length[:] = 0.0, 0
         observations, running_return, running_length = self.observations, self.running_return, self.running_length
         successes, episode_returns, episode_lengths, safety_truncated = [], [], [], 0
@@ -643,7 +671,10 @@ class PPOTrainer:
             step = self.envs.step(actions)
             done = step.terminated | step.truncated
             self.scores[t] = torch.as_tensor(step.rewards, dtype=torch.float32)
-            self.rewards[t] = self.scores[t] - beta * self.kls[t]
+            next_potential = np.array([subgoal_potential(info) for info in step.infos])
+            bonus = shaping_reward(self.potential, next_potential, done, c.gamma)
+            self.shaping[t] = torch.as_tensor(c.subgoal_shaping * bonus, dtype=torch.float32)
+            self.rewards[t] = self.scores[t] + self.shaping[t] - beta * self.kls[t]
             self.dones[t] = torch.as_tensor(done, dtype=torch.float32)
             running_return += step.rewards
             running_length += 1
@@ -659,7 +690,9 @@ class PPOTrainer:
                 running_return[i], running_length[i] = 0.0, 0
                 f.start(i, task_text(step.reset_infos[i], None, step.observations[i]))
                 add_blocked(blocked, (step.reset_infos[i] or {}).get("safety_blocked"))
+                next_potential[i] = subgoal_potential(step.reset_infos[i])
             observations = step.observations
+            self.potential[:] = next_potential
         self.observations = observations
         nan = float("nan")
         return {
