@@ -102,9 +102,11 @@ def first_reaching(metrics, threshold: float = 0.95, min_episodes: int = 10) -> 
 
 
 def variant(args: argparse.Namespace) -> str:
-    """'' for the default settings, else a tag of what differs ('-tau0.5', '-safety', '-tau0.5-safety'): the runs,
+    """'' for the default settings, else a tag of what differs ('-tau0.5', '-shaping1', '-tau0.5-safety'): the runs,
     evaluations and result file of a variant are kept apart from the default's."""
-    return ("" if args.tau is None else f"-tau{args.tau:g}") + ("-safety" if args.safety else "")
+    tag = "" if args.tau is None else f"-tau{args.tau:g}"
+    tag += f"-shaping{args.subgoal_shaping:g}" if args.subgoal_shaping else ""
+    return tag + ("-safety" if args.safety else "")
 
 
 def runs_folder(cache: Path, sim: str, args: argparse.Namespace) -> Path:
@@ -125,7 +127,8 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     out = {}
     for name, settings in (
         ("finetune", dict(target_kl=args.target_kl, kl_horizon=args.kl_horizon, value_init=args.value_init,
-                          policy_init=args.policy_init, learning_rate=args.learning_rate, tau=args.tau)),
+                          policy_init=args.policy_init, learning_rate=args.learning_rate, tau=args.tau,
+                          subgoal_shaping=args.subgoal_shaping)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         if name == "scratch" and args.no_scratch:
@@ -257,6 +260,8 @@ def main() -> None:
     parser.add_argument("--value-init", default="zero", choices=["critic", "zero"])
     parser.add_argument("--tau", type=float, default=None,
                         help="temperature of the fine-tuned and reference policy [default: the CQL checkpoint's]")
+    parser.add_argument("--subgoal-shaping", type=float, default=0.0,
+                        help="weight of potential-based sub-goal shaping in fine-tuning (scratch trains without)")
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
@@ -320,7 +325,8 @@ def main() -> None:
         f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, target KL "
         f"{args.target_kl} (horizon {args.kl_horizon} env steps), policy {args.policy_init}, lr {fine_lr}, "
         f"tau {'of the CQL checkpoint' if args.tau is None else args.tau}, "
-        f"value head {args.value_init}; "
+        + (f"sub-goal shaping {args.subgoal_shaping:g}, " if args.subgoal_shaping else "")
+        + f"value head {args.value_init}; "
         + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "
            f"lr {args.scratch_learning_rate}")
         + f". Offline stage: CQL ({', '.join(f'{k} {v}' for k, v in cql_steps.items())} "
@@ -355,6 +361,7 @@ def main() -> None:
         print(table)
     else:
         title = "Online fine-tuning (PPO + KL from CQL)" + (f", tau {args.tau:g}" if args.tau is not None else "")
+        title += f", sub-goal shaping {args.subgoal_shaping:g}" if args.subgoal_shaping else ""
         title += ", behind a safety filter" if args.safety else ""
         write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())
 
