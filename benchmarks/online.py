@@ -135,8 +135,9 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
             continue
         folder = runs_folder(cache, sim, args) / name
         started = time.perf_counter()
-        finetune(run, env, folder, PPOConfig(**{**common, **settings}), safety=args.safety, overwrite=True,
-                 progress=sys.stderr.isatty())
+        config = PPOConfig(**{**common, **settings})
+        if not (args.reuse and finished_run(folder, run, env, config, args.safety)):
+            finetune(run, env, folder, config, safety=args.safety, overwrite=True, progress=sys.stderr.isatty())
         seconds = time.perf_counter() - started
         metrics = pl.read_parquet(folder / "metrics.parquet")
         out[name] = {"metrics": metrics, "seconds": seconds, "eval": evaluate_run(folder, env, args.episodes)}
@@ -160,10 +161,35 @@ def early_evals(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     evals = {}
     for k in args.dip_iterations:
         folder = runs_folder(cache, sim, args) / f"finetune-{k}"
-        finetune(run, env, folder, config_type(**{**settings, "iterations": k}), safety=args.safety, overwrite=True)
+        config = config_type(**{**settings, "iterations": k})
+        if not (args.reuse and finished_run(folder, run, env, config, args.safety)):
+            finetune(run, env, folder, config, safety=args.safety, overwrite=True)
         evals[k] = evaluate_run(folder, env, args.episodes)
         print(f"[{sim}] after {k} iteration(s): {rate(*evals[k])}", flush=True)
     return evals
+
+
+def finished_run(folder: Path, run: Path, env: str, config, safety: str | None) -> bool:
+    """Whether `folder` holds a finished fine-tuning run of exactly these settings (what `--reuse` skips): its
+    finetune.json names the same offline run, environment, safety rules and config. A run is deterministic,
+    so training it again would give the same policy."""
+    from dataclasses import asdict
+
+    from offline_agent.online.safety import SafetyFilter
+
+    summary = folder / "finetune.json"
+    if not (summary.is_file() and (folder / "policy.json").is_file()):
+        return False
+    saved = json.loads(summary.read_text())
+    same = (
+        Path(saved.get("source", "")).resolve() == run.resolve()
+        and saved.get("env") == env
+        and saved.get("safety") == SafetyFilter.from_spec(safety).specs
+        and saved.get("config") == asdict(config)
+    )
+    if same:
+        print(f"reusing {folder} (finished, same settings)", flush=True)
+    return same
 
 
 def cached_runs(folder: Path) -> tuple[tuple[int, int], dict]:
@@ -270,6 +296,9 @@ def main() -> None:
                         help="a safety-filter spec every policy (the offline one too) trains and is evaluated behind; "
                         "its runs, tables and result file are kept apart from the unfiltered ones")
     parser.add_argument("--no-scratch", action="store_true", help="skip the PPO-from-scratch baseline")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep a cached fine-tuning run whose settings match (runs are deterministic) instead of "
+                        "training it again; it is still evaluated")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (this machine has 2 cores)")
     parser.add_argument("--no-write", action="store_true", help="print the tables only")
     parser.add_argument(
