@@ -36,6 +36,8 @@ BENCHMARKS = [
     ("online_tau05", "online.py", ["--tau", "0.5", "--no-scratch"]),
     ("online_tau05_safety", "online.py", ["--sims", "support", "--tau", "0.5", "--no-scratch",
                                           "--safety", "deny:delete_account;regex:CVV"]),
+    # The warmer start with sub-goal shaping, which keeps Logistics from collapsing at tau 0.5.
+    ("online_tau05_shaping1", "online.py", ["--tau", "0.5", "--subgoal-shaping", "1", "--no-scratch"]),
 ]
 
 

@@ -158,6 +158,7 @@ def _invoke(*args: str):
         (["--torch-threads", "0"], "torch-threads must be >= 1"),
         (["--value-learning-rate", "0"], "value_learning_rate must be > 0"),
         (["--tau", "0"], "--tau must be > 0"),
+        (["--subgoal-shaping", "-1"], "subgoal_shaping must be >= 0"),
     ],
 )
 def test_bad_flags_are_one_line_errors(tiny, tmp_path, extra, message):
@@ -196,16 +197,18 @@ def test_out_must_not_be_the_checkpoint_itself(tiny):
 
 def test_the_command_line_passes_threads_learning_rates_and_the_policy_settings_on(tiny, tmp_path):
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "ft"), *FAST, "--iterations", "1",
-                     "--torch-threads", "2", "--value-learning-rate", "1e-3")
+                     "--torch-threads", "2", "--value-learning-rate", "1e-3", "--subgoal-shaping", "0.5")
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "ft" / "policy.json").read_text())["config"]
     assert config["torch_threads"] == 2 and config["value_learning_rate"] == 1e-3 and config["learning_rate"] == 3e-3
+    assert config["subgoal_shaping"] == 0.5
     assert config["policy_init"] == "residual" and config["kl_gradient"] is True  # the defaults
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "copy"), "--iterations", "1",
                      "--num-envs", "2", "--num-steps", "16", "--policy-init", "copy", "--no-kl-gradient")
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "copy" / "policy.json").read_text())["config"]
     assert config["policy_init"] == "copy" and config["kl_gradient"] is False and config["learning_rate"] == 1e-5
+    assert config["subgoal_shaping"] == 0.0  # off unless asked for
 
 
 def test_tau_is_the_temperature_the_fine_tuned_policy_is_saved_and_played_with(tiny, tmp_path):
