@@ -401,10 +401,11 @@ def subgoal_potential(info: dict[str, Any] | None) -> float:
 def shaping_reward(potential: np.ndarray, next_potential: np.ndarray, done: np.ndarray, gamma: float) -> np.ndarray:
     """Potential-based shaping (Ng, Harada & Russell 1999) of N steps: `gamma * Phi(s') * (1 - done) - Phi(s)`.
 
-    potential, next_potential: (N,) Phi before and after each step; done: (N,) bool. Phi of the state after
-    an episode's last step is 0, so an episode's shaping terms sum (discounted) to -Phi(s_0): the best policy
-    is unchanged, but a step that completes a sub-goal is credited at once, and the step that ends an episode
-    short of its goal gives back what was credited.
+    potential, next_potential: (N,) Phi before and after each step; done: (N,) bool (terminated or truncated:
+    GAE does not bootstrap past either). Phi of the state after an episode's last step is 0, so an episode's
+    shaping terms sum (discounted) to -Phi(s_0): the best policy is unchanged, but a step that completes a
+    sub-goal is credited at once, and the step that ends an episode short of its goal gives back what was
+    credited.
     """
     return gamma * np.where(done, 0.0, next_potential) - potential
 
@@ -575,7 +576,9 @@ class PPOTrainer:
         self.observations: list[dict[str, Any]] | None = None  # what to act on next; None = reset first
         self.running_return = np.zeros(c.num_envs)
         self.running_length = np.zeros(c.num_envs, dtype=np.int64)
-        self.potential = np.zeros(c.num_envs)  # Phi of each environment's current state (subgoal_shaping)
+        # Phi of each environment's current state (subgoal_shaping). Like the running returns it lives only
+        # between checkpoints: every environment is reset at a checkpoint, so a resume needs none of it.
+        self.potential = np.zeros(c.num_envs)
         self.envs = make_vector_env(env_spec, c.num_envs, self.safety.specs, c.vector)
         self.featurizer = Featurizer(reference, c.num_envs, self.envs.max_candidates)
         T, N, C, D = c.num_steps, c.num_envs, self.envs.max_candidates, int(reference.encoder.dim)
@@ -589,7 +592,7 @@ class PPOTrainer:
         self.values = torch.zeros(T, N)
         self.ref_values = torch.zeros(T, N)
         self.ref_logps = torch.zeros(T, N, C)  # log pi_ref over the candidates, -inf in padding slots
-        self.rewards = torch.zeros(T, N)  # r - beta * KL
+        self.rewards = torch.zeros(T, N)  # r + shaping - beta * KL
         self.scores = torch.zeros(T, N)  # r, the environment's reward
         self.shaping = torch.zeros(T, N)  # W * (gamma * Phi(s') - Phi(s)), 0 without subgoal_shaping
         self.kls = torch.zeros(T, N)
