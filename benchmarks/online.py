@@ -171,10 +171,12 @@ def early_evals(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
 
 def finished_run(folder: Path, run: Path, env: str, config, safety: str | None) -> bool:
     """Whether `folder` holds a finished fine-tuning run of exactly these settings (what `--reuse` skips): its
-    finetune.json names the same offline run, environment, safety rules and config. A run is deterministic,
-    so training it again would give the same policy."""
+    finetune.json names the same offline weights (by hash: `--retrain` keeps the folder, not the weights),
+    environment, safety rules and config. A run is deterministic, so training it again would give the same
+    policy."""
     from dataclasses import asdict
 
+    from offline_agent.online.finetune import file_sha256
     from offline_agent.online.safety import SafetyFilter
 
     summary = folder / "finetune.json"
@@ -182,7 +184,7 @@ def finished_run(folder: Path, run: Path, env: str, config, safety: str | None) 
         return False
     saved = json.loads(summary.read_text())
     same = (
-        Path(saved.get("source", "")).resolve() == run.resolve()
+        saved.get("source_weights_sha256") == file_sha256(run / "policy.safetensors")
         and saved.get("env") == env
         and saved.get("safety") == SafetyFilter.from_spec(safety).specs
         and saved.get("config") == asdict(config)

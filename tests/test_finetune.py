@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -61,6 +62,9 @@ def test_a_short_fine_tune_raises_the_success_rate_and_writes_a_loadable_policy(
     assert result.env_steps == 8 * 64 and (out / "curves.png").stat().st_size > 10_000
     policy = Policy.load(out)
     assert policy.algo == "ppo" and policy.meta["finetuned_from"]["algo"] == "cql" and policy.meta["safety"] == []
+    summary = json.loads((out / "finetune.json").read_text())  # which offline weights, even if RUN is retrained
+    weights = (tiny["run"] / "policy.safetensors").read_bytes()
+    assert summary["source_weights_sha256"] == hashlib.sha256(weights).hexdigest()
     before = evaluate(tiny["run"], WIDGET, episodes=50)
     after = evaluate(out, WIDGET, episodes=50)
     assert after.success_rate >= 0.9 > before.success_rate

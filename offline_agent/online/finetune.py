@@ -9,7 +9,8 @@ The run folder RUN2 holds
     metrics.parquet                   one row per iteration (names in `ppo.METRICS`), readable with DuckDB
     curves.png                        success rate, return, KL and beta against iterations
     resume.safetensors                the resume state (below); written every `config.checkpoint_every` iterations
-    finetune.json                     source run, environment, config, safety rules, final metrics, time
+    finetune.json                     source run and its weights' hash, environment, config, safety rules,
+                                      final metrics, time
 
 Resume state: one safetensors file, replaced atomically (tmp + os.replace), with
 the model (policy and value heads), the Adam state, every random-number state
@@ -113,7 +114,7 @@ def finetune(
     identity = {
         "format": STATE_FORMAT,
         "source": str(source.resolve()),
-        "source_weights_sha256": _sha256(source / "policy.safetensors"),
+        "source_weights_sha256": file_sha256(source / "policy.safetensors"),
         "encoder_id": reference.encoder.id,
         "env": env,
         "safety": safety_filter.specs,
@@ -159,6 +160,7 @@ def finetune(
     final = {k: v for k, v in (rows[-1] if rows else {}).items() if v is not None}
     summary = {
         "source": str(source),
+        "source_weights_sha256": identity["source_weights_sha256"],  # which offline weights, even if retrained
         "env": env,
         "safety": safety_filter.specs,
         "config": asdict(config),
@@ -327,7 +329,7 @@ def _read_json(path: Path) -> dict[str, Any]:
         raise UserError(f"cannot read {path} ({type(exc).__name__}): the checkpoint is damaged") from None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
