@@ -4,7 +4,8 @@ For each built-in simulator:
 
 1. offline stage (cached under `--cache`, reused by later runs): ingest the
    bundled sample logs (`datasets/<sim>/logs.jsonl`, 100 episodes of
-   `noisy:0.5`), embed them with the packaged MiniLM and train CQL;
+   `noisy:0.5`; with `--logs N`, N episodes of it simulated anew), embed them
+   with the packaged MiniLM and train CQL;
 2. evaluate the CQL policy (greedy, `--episodes` episodes, seeds from 1000,
    which no training rollout uses);
 3. fine-tune it with PPO + KL (`--iterations` x `--num-envs` x `--num-steps`
@@ -25,8 +26,8 @@ worker processes, and the simulators' own speed through the same vector envs.
 Prints the tables and writes them to benchmarks/results/online.md. With
 `--safety SPEC`, every policy (the offline one too) is trained and evaluated
 behind that safety filter: what a team that deploys the filter would see,
-reported apart from what the learner does alone. A variant (`--tau`,
-`--safety`) keeps its runs in `<sim><tag>/` of the cache (`support-tau0.5-safety/`)
+reported apart from what the learner does alone. A variant (`--logs`, `--tau`,
+`--subgoal-shaping`, `--safety`) keeps its runs in `<sim><tag>/` of the cache (`support-tau0.5-safety/`)
 and its table in benchmarks/results/online<tag>.md (`online_tau05_safety.md`).
 """
 
@@ -49,6 +50,7 @@ SIMS = {
     "support": "offline_agent/CustomerSupport-v0",
 }
 EVAL_SEED = 1000
+BEHAVIOUR = "noisy:0.5"  # the policy behind the bundled logs, and behind `--logs N` simulated anew
 # The residual's rate here, below PPOConfig's 3e-3: at 1e-2 one Adam step already crossed max_update_kl, so every
 # iteration stopped after one minibatch step and the KL to the offline policy jumped to 0.6-0.8 (CustomerSupport
 # and Logistics, 15k env steps: no gain); at 1e-3 all 16 minibatch steps of an iteration are taken. A copied
@@ -56,19 +58,30 @@ EVAL_SEED = 1000
 RESIDUAL_LEARNING_RATE = 1e-3
 
 
-def offline_stage(sim: str, cache: Path, cql_steps: int, retrain: bool = False) -> Path:
-    """The CQL run of `sim`, trained once on the bundled logs and kept in `cache` (CQL on 2 busy cores takes
-    0.2-0.4 s per step: minutes per simulator, the longest stage of this benchmark)."""
+def offline_folder(cache: Path, sim: str, logs: int) -> Path:
+    """Where a simulator's offline stage lives: `<sim>/` for the bundled logs, `<sim>-logs<N>/` for N simulated."""
+    return cache / (f"{sim}-logs{logs}" if logs else sim)
+
+
+def offline_stage(sim: str, cache: Path, cql_steps: int, retrain: bool = False, logs: int = 0) -> Path:
+    """The CQL run of `sim`, trained once and kept in `cache` (CQL on 2 busy cores takes 0.2-0.4 s per step:
+    minutes per simulator, the longest stage of this benchmark). Its logs: the bundled 100 episodes, or with
+    `logs` N that many episodes of the same behaviour (`noisy:0.5`, seed 0) simulated anew."""
     from offline_agent.ingest import ingest
     from offline_agent.learn.train import train
+    from offline_agent.simulate import simulate
 
-    data, run = cache / sim / "data", cache / sim / "cql"
+    folder = offline_folder(cache, sim, logs)
+    data, run = folder / "data", folder / "cql"
     if (run / "policy.json").is_file() and not retrain:
         return run
     started = time.perf_counter()
     if not (data / "dataset.json").is_file():
         shutil.rmtree(data, ignore_errors=True)
-        ingest([REPO / "datasets" / sim / "logs.jsonl"], data)
+        source = REPO / "datasets" / sim / "logs.jsonl"
+        if logs:
+            source = simulate(SIMS[sim], logs, BEHAVIOUR, 0, folder / "logs.jsonl").path
+        ingest([source], data)
     train(data, "cql", run, steps=cql_steps, seed=0, overwrite=True, progress=sys.stderr.isatty())
     print(f"[{sim}] offline stage (ingest, embed, CQL {cql_steps} steps): {time.perf_counter() - started:.0f} s")
     return run
@@ -102,15 +115,17 @@ def first_reaching(metrics, threshold: float = 0.95, min_episodes: int = 10) -> 
 
 
 def variant(args: argparse.Namespace) -> str:
-    """'' for the default settings, else a tag of what differs ('-tau0.5', '-shaping1', '-tau0.5-safety'): the runs,
-    evaluations and result file of a variant are kept apart from the default's."""
-    tag = "" if args.tau is None else f"-tau{args.tau:g}"
+    """'' for the default settings, else a tag of what differs ('-tau0.5', '-shaping1', '-tau0.5-safety',
+    '-logs400-tau0.3'): the runs, evaluations and result file of a variant are kept apart from the default's."""
+    tag = f"-logs{args.logs}" if args.logs else ""
+    tag += "" if args.tau is None else f"-tau{args.tau:g}"
     tag += f"-shaping{args.subgoal_shaping:g}" if args.subgoal_shaping else ""
     return tag + ("-safety" if args.safety else "")
 
 
 def runs_folder(cache: Path, sim: str, args: argparse.Namespace) -> Path:
-    """Where a simulator's online runs and evaluations go (its offline stage is shared by every variant)."""
+    """Where a simulator's online runs and evaluations go (its offline stage is shared by every variant with the
+    same logs)."""
     return cache / f"{sim}{variant(args)}"
 
 
@@ -208,6 +223,15 @@ def cached_runs(folder: Path) -> tuple[tuple[int, int], dict]:
     return tuple(evals["offline"]), runs
 
 
+def training_minutes(folder: Path) -> float:
+    """Minutes the online runs under a simulator's `folder` took to train, from each run's finetune.json: what they
+    cost even where a later invocation reused them (`--reuse`), or they ran in another process (`--sims`)."""
+    seconds = 0.0
+    for summary in folder.glob("*/finetune.json"):
+        seconds += json.loads(summary.read_text()).get("seconds_this_process", 0.0)
+    return seconds / 60
+
+
 def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
     ft, scratch = runs["finetune"]["metrics"], runs.get("scratch", {}).get("metrics")
     start = offline[0] / offline[1]
@@ -275,6 +299,9 @@ def main() -> None:
     parser.add_argument("--cache", default=str(REPO / "benchmarks" / "out" / "online"), help="offline stage and runs")
     parser.add_argument("--cql-steps", type=int, default=1000, help="CQL gradient steps of the offline stage")
     parser.add_argument("--retrain", action="store_true", help="retrain the cached CQL runs")
+    parser.add_argument("--logs", type=int, default=0,
+                        help="train the offline stage on this many newly simulated episodes of the bundled logs' "
+                        "behaviour (noisy:0.5, seed 0) instead of the bundled 100; a variant of its own")
     parser.add_argument("--iterations", type=int, default=24)
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--num-steps", type=int, default=64, help="steps per env per iteration")
@@ -315,7 +342,7 @@ def main() -> None:
     quality, cql_steps = [], {}
     for sim in args.sims:
         env = SIMS[sim]
-        run = offline_stage(sim, cache, args.cql_steps, args.retrain and not args.tables_only)
+        run = offline_stage(sim, cache, args.cql_steps, args.retrain and not args.tables_only, args.logs)
         cql_steps[sim] = json.loads((run / "policy.json").read_text())["config"]["steps"]
         if args.tables_only:
             quality.append(quality_row(sim, *cached_runs(runs_folder(cache, sim, args))))
@@ -335,7 +362,8 @@ def main() -> None:
         speed, minutes = json.loads((cache / "throughput.json").read_text()) if not tag else [], float("nan")
     else:  # a variant changes nothing of the rollout speed: the throughput table is the default run's
         speed = [] if tag else throughput(
-            cache / args.sims[0] / "cql", SIMS[args.sims[0]], args.throughput_steps, args.threads
+            offline_folder(cache, args.sims[0], args.logs) / "cql", SIMS[args.sims[0]], args.throughput_steps,
+            args.threads,
         )
         minutes = (time.perf_counter() - started) / 60
         if not tag:
@@ -361,9 +389,13 @@ def main() -> None:
         + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "
            f"lr {args.scratch_learning_rate}")
         + f". Offline stage: CQL ({', '.join(f'{k} {v}' for k, v in cql_steps.items())} "
-        "gradient steps) on the bundled 100-episode "
-        f"noisy:0.5 logs. Encoder: packaged all-MiniLM-L6-v2, {args.threads} torch thread(s). "
-        f"Whole run: {minutes:.1f} min. At the rollout rates of the throughput table (MiniLM encodes every new state "
+        "gradient steps) on "
+        + (f"{args.logs} episodes of {BEHAVIOUR} simulated anew (seed 0)" if args.logs
+           else f"the bundled 100-episode {BEHAVIOUR} logs")
+        + f". Encoder: packaged all-MiniLM-L6-v2, {args.threads} torch thread(s). "
+        f"Wall time of the last invocation: {minutes:.1f} min; the online runs' own training times add up to "
+        f"{sum(training_minutes(runs_folder(cache, sim, args)) for sim in args.sims):.1f} min. "
+        "At the rollout rates of the throughput table (MiniLM encodes every new state "
         "text on CPU) "
         "a run of 12k env steps takes about a quarter of an hour on one core, so each simulator's runs take the "
         "better part of an hour; `--sims` runs one simulator (three of them run side by side on 2 cores), and "
@@ -392,6 +424,7 @@ def main() -> None:
         print(table)
     else:
         title = "Online fine-tuning (PPO + KL from CQL)" + (f", tau {args.tau:g}" if args.tau is not None else "")
+        title += f", offline stage on {args.logs} logged episodes" if args.logs else ""
         title += f", sub-goal shaping {args.subgoal_shaping:g}" if args.subgoal_shaping else ""
         title += ", behind a safety filter" if args.safety else ""
         write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())
