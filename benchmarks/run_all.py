@@ -38,6 +38,14 @@ BENCHMARKS = [
                                           "--safety", "deny:delete_account;regex:CVV"]),
     # The warmer start with sub-goal shaping, which keeps Logistics from collapsing at tau 0.5.
     ("online_tau05_shaping1", "online.py", ["--tau", "0.5", "--subgoal-shaping", "1", "--no-scratch"]),
+    # A stronger offline start: 400 logged episodes instead of the bundled 100, CQL for 2,000 steps. Each simulator
+    # at the temperature that did best on it from the bundled logs (Logistics 0.3; the others 0.5).
+    ("online_logs400_tau05_shaping1", "online.py", ["--sims", "pipeline", "support", "--logs", "400", "--cql-steps",
+                                                    "2000", "--tau", "0.5", "--subgoal-shaping", "1", "--no-scratch",
+                                                    "--threads", "1"]),
+    ("online_logs400_tau03_shaping1", "online.py", ["--sims", "logistics", "--logs", "400", "--cql-steps", "2000",
+                                                    "--tau", "0.3", "--subgoal-shaping", "1", "--no-scratch",
+                                                    "--threads", "1"]),
 ]
 
 
