@@ -418,7 +418,7 @@ def main() -> None:
             "env alone with random actions for 1 s."
         )
     command = "python benchmarks/online.py " + " ".join(
-        f"'{a}'" if ";" in a or " " in a else a for a in sys.argv[1:] if a != "--tables-only"
+        f"'{a}'" if ";" in a or " " in a else a for a in sys.argv[1:] if a not in ("--tables-only", "--reuse")
     )
     if args.no_write:
         print(table)
