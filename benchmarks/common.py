@@ -8,6 +8,8 @@ import platform
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+#: The behaviour policy of the bundled logs (datasets/README.md), and of the logs the benchmarks simulate anew.
+BEHAVIOUR = "noisy:0.5"
 
 
 def machine_stamp() -> str:

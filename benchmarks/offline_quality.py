@@ -30,7 +30,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
 
 ENVS = ["offline_agent/PipelineRepair-v0", "offline_agent/Logistics-v0", "offline_agent/CustomerSupport-v0"]
 ALGOS = ["bc", "filtered-bc", "d3rlpy-cql", "cql-ungrounded", "cql"]
@@ -38,7 +38,6 @@ LABELS = {"bc": "BC", "filtered-bc": "filtered BC", "d3rlpy-cql": "d3rlpy Discre
           "cql-ungrounded": "CQL without grounding", "cql-adapter": "CQL + trainable state adapter"}
 #: Variants: a label of the table -> (algorithm, extra config settings).
 VARIANTS = {"cql-adapter": ("cql", {"state_adapter": True}), "cql-ungrounded": ("cql", {"grounding": False})}
-BEHAVIOUR = "noisy:0.5"
 EVAL_SEED = 10_000  # evaluation episodes use reset seeds derived from this, never the logs' seed 0
 BUDGETS = {
     "default": {"episodes": 150, "seeds": 3, "steps": 1200, "batch_size": 128, "hidden": 128, "eval_episodes": 50,

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SIMS = {
@@ -50,7 +50,6 @@ SIMS = {
     "support": "offline_agent/CustomerSupport-v0",
 }
 EVAL_SEED = 1000
-BEHAVIOUR = "noisy:0.5"  # the policy behind the bundled logs, and behind `--logs N` simulated anew
 # The residual's rate here, below PPOConfig's 3e-3: at 1e-2 one Adam step already crossed max_update_kl, so every
 # iteration stopped after one minibatch step and the KL to the offline policy jumped to 0.6-0.8 (CustomerSupport
 # and Logistics, 15k env steps: no gain); at 1e-3 all 16 minibatch steps of an iteration are taken. A copied
