@@ -124,6 +124,9 @@ and settings, W = 1, one seed, greedy success on 50 episodes from seed 1000):
 - CustomerSupport at tau 0.5 with shaping, continued to 48 iterations: 34/50, below its 41/50 after 24;
 - Logistics at tau 0.3 with shaping: **26/50** (0.52 [0.39, 0.65]), the best Logistics run so far; its sampled
   success rose from 0.07 to 0.2-0.5 an iteration and the KL stayed at 0.01-0.13 (not run without shaping).
+Shaping stays off by default: it needs an environment that reports sub-goals, and only the tau 0.5 Logistics
+run depended on it.
+
 A stronger offline start (the online benchmark's `--logs 400 --cql-steps 2000`: 400 episodes of the same
 noisy:0.5 behaviour, simulated anew, and CQL for 2,000 steps instead of 100 bundled episodes and 1,000). The
 offline greedy policy is better. PPO adds 10-16 points on top of it, less than the 22-28 it added from the
@@ -137,14 +140,12 @@ episodes from seed 1000, offline, then after 24 iterations (12,288 env steps), o
   pulled the policy back toward the reference: the KL fell to 0.02-0.03, and sampled success fell from
   0.55-0.65 to 0.3-0.5. With a target KL of 0.15 (the same run otherwise, 24 iterations) it ended at 36/50: a looser
   target let the KL run to 0.12-0.24 a step, and did not lift the greedy policy.
+
 How far a 95% policy must move: along the expert's own trajectories (20 episodes), the bundled CQL
 reference at tau 0.3 gives the expert's call 0.59 on average (Logistics; CustomerSupport 0.66,
 PipelineRepair 0.63). A policy that put 0.95 on it would sit 0.59-0.64 nats a step from the reference,
 against the 0.05 target. That is an upper bound: the reference's greedy call is not the expert's at 29%
 of those PipelineRepair states, yet PipelineRepair reached 50/50 at a mean KL of 0.066.
-
-Shaping stays off by default: it needs an environment that reports sub-goals, and only the tau 0.5 Logistics
-run depended on it.
 
 The KL gradient: `-beta * KL(pi(.|s) || pi_ref(.|s))` is in the rewards (what the
 issue asks, and what GAE discounts), but the penalty at s does not depend on the
