@@ -27,8 +27,8 @@ Prints the tables and writes them to benchmarks/results/online.md. With
 `--safety SPEC`, every policy (the offline one too) is trained and evaluated
 behind that safety filter: what a team that deploys the filter would see,
 reported apart from what the learner does alone. A variant (`--logs`, `--tau`,
-`--subgoal-shaping`, `--safety`) keeps its runs in `<sim><tag>/` of the cache (`support-tau0.5-safety/`)
-and its table in benchmarks/results/online<tag>.md (`online_tau05_safety.md`).
+`--subgoal-shaping`, `--self-imitation`, `--safety`) keeps its runs in `<sim><tag>/` of the cache
+(`support-tau0.5-safety/`) and its table in benchmarks/results/online<tag>.md (`online_tau05_safety.md`).
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def variant(args: argparse.Namespace) -> str:
     tag = f"-logs{args.logs}" if args.logs else ""
     tag += "" if args.tau is None else f"-tau{args.tau:g}"
     tag += f"-shaping{args.subgoal_shaping:g}" if args.subgoal_shaping else ""
+    tag += f"-sil{args.self_imitation:g}" if args.self_imitation else ""
     return tag + ("-safety" if args.safety else "")
 
 
@@ -142,7 +143,7 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     for name, settings in (
         ("finetune", dict(target_kl=args.target_kl, kl_horizon=args.kl_horizon, value_init=args.value_init,
                           policy_init=args.policy_init, learning_rate=args.learning_rate, tau=args.tau,
-                          subgoal_shaping=args.subgoal_shaping)),
+                          subgoal_shaping=args.subgoal_shaping, self_imitation=args.self_imitation)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         if name == "scratch" and args.no_scratch:
@@ -316,6 +317,8 @@ def main() -> None:
                         help="temperature of the fine-tuned and reference policy [default: the CQL checkpoint's]")
     parser.add_argument("--subgoal-shaping", type=float, default=0.0,
                         help="weight of potential-based sub-goal shaping in fine-tuning (scratch trains without)")
+    parser.add_argument("--self-imitation", type=float, default=0.0,
+                        help="weight of self-imitation of successful episodes in fine-tuning (scratch trains without)")
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
@@ -384,6 +387,7 @@ def main() -> None:
         f"{args.target_kl} (horizon {args.kl_horizon} env steps), policy {args.policy_init}, lr {fine_lr}, "
         f"tau {'of the CQL checkpoint' if args.tau is None else args.tau}, "
         + (f"sub-goal shaping {args.subgoal_shaping:g}, " if args.subgoal_shaping else "")
+        + (f"self-imitation {args.self_imitation:g}, " if args.self_imitation else "")
         + f"value head {args.value_init}; "
         + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "
            f"lr {args.scratch_learning_rate}")
@@ -425,6 +429,7 @@ def main() -> None:
         title = "Online fine-tuning (PPO + KL from CQL)" + (f", tau {args.tau:g}" if args.tau is not None else "")
         title += f", offline stage on {args.logs} logged episodes" if args.logs else ""
         title += f", sub-goal shaping {args.subgoal_shaping:g}" if args.subgoal_shaping else ""
+        title += f", self-imitation {args.self_imitation:g}" if args.self_imitation else ""
         title += ", behind a safety filter" if args.safety else ""
         write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())
 

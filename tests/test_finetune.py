@@ -79,16 +79,18 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "HF_HUB_OFFLINE": "1"}
 
 
-def test_a_killed_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tiny, tmp_path):
+@pytest.mark.parametrize("settings", [[], ["--self-imitation", "1"]], ids=["ppo", "self-imitation"])
+def test_a_killed_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tiny, tmp_path, settings):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     # The uninterrupted run steps its envs in worker processes, the interrupted one in-process: the result
     # must not depend on that either.
     done = subprocess.run(
-        _cli(whole, tiny["run"], "--vector", "process"), cwd=REPO, env=_env(), capture_output=True, text=True
+        _cli(whole, tiny["run"], "--vector", "process", *settings), cwd=REPO, env=_env(), capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr[-2000:]
 
-    process = subprocess.Popen(_cli(killed, tiny["run"]), cwd=REPO, env=_env(), stderr=subprocess.PIPE)
+    process = subprocess.Popen(_cli(killed, tiny["run"], *settings), cwd=REPO, env=_env(), stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while not (killed / STATE_FILE).exists():
         assert process.poll() is None, process.stderr.read().decode()[-2000:]
@@ -101,7 +103,7 @@ def test_a_killed_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tin
     assert interrupted_at < 12
 
     resumed = subprocess.run(
-        _cli(killed, tiny["run"], "--resume"), cwd=REPO, env=_env(), capture_output=True, text=True
+        _cli(killed, tiny["run"], "--resume", *settings), cwd=REPO, env=_env(), capture_output=True, text=True
     )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed after iteration" in resumed.stderr
@@ -109,6 +111,7 @@ def test_a_killed_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tin
     assert (whole / "policy.safetensors").read_bytes() == (killed / "policy.safetensors").read_bytes()
     a, b = load_file(str(whole / STATE_FILE)), load_file(str(killed / STATE_FILE))
     assert a.keys() == b.keys()
+    assert settings == [] or a["self_imitation/cursor"][0] > 0  # a buffer of successes was saved and restored
     for key in a:
         assert torch.equal(a[key], b[key]), key  # value head, Adam moments and RNG states too
     deterministic = [c for c in METRICS if not c.startswith("time/")]
@@ -163,6 +166,7 @@ def _invoke(*args: str):
         (["--value-learning-rate", "0"], "value_learning_rate must be > 0"),
         (["--tau", "0"], "--tau must be > 0"),
         (["--subgoal-shaping", "-1"], "subgoal_shaping must be >= 0"),
+        (["--self-imitation", "-1"], "self_imitation must be >= 0"),
     ],
 )
 def test_bad_flags_are_one_line_errors(tiny, tmp_path, extra, message):
@@ -201,18 +205,19 @@ def test_out_must_not_be_the_checkpoint_itself(tiny):
 
 def test_the_command_line_passes_threads_learning_rates_and_the_policy_settings_on(tiny, tmp_path):
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "ft"), *FAST, "--iterations", "1",
-                     "--torch-threads", "2", "--value-learning-rate", "1e-3", "--subgoal-shaping", "0.5")
+                     "--torch-threads", "2", "--value-learning-rate", "1e-3", "--subgoal-shaping", "0.5",
+                     "--self-imitation", "0.25")
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "ft" / "policy.json").read_text())["config"]
     assert config["torch_threads"] == 2 and config["value_learning_rate"] == 1e-3 and config["learning_rate"] == 3e-3
-    assert config["subgoal_shaping"] == 0.5
+    assert config["subgoal_shaping"] == 0.5 and config["self_imitation"] == 0.25
     assert config["policy_init"] == "residual" and config["kl_gradient"] is True  # the defaults
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "copy"), "--iterations", "1",
                      "--num-envs", "2", "--num-steps", "16", "--policy-init", "copy", "--no-kl-gradient")
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "copy" / "policy.json").read_text())["config"]
     assert config["policy_init"] == "copy" and config["kl_gradient"] is False and config["learning_rate"] == 1e-5
-    assert config["subgoal_shaping"] == 0.0  # off unless asked for
+    assert config["subgoal_shaping"] == 0.0 and config["self_imitation"] == 0.0  # off unless asked for
 
 
 def test_tau_is_the_temperature_the_fine_tuned_policy_is_saved_and_played_with(tiny, tmp_path):

@@ -13,7 +13,8 @@ The run folder RUN2 holds
                                       final metrics, time
 
 Resume state: one safetensors file, replaced atomically (tmp + os.replace), with
-the model (policy and value heads), the Adam state, every random-number state
+the model (policy and value heads), the Adam state, the self-imitation buffer
+(with `self_imitation` on), every random-number state
 (torch's global RNG and the trainer's generator as uint8 tensors, numpy's and
 Python's global RNGs) and, in its JSON metadata, the iteration, env steps, the
 KL controller and the settings that must not change across a resume. Nothing is
@@ -222,6 +223,8 @@ def save_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> Non
     for pid, slots in optimizer["state"].items():
         for key, value in slots.items():
             tensors[f"optimizer/{pid}/{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    if trainer.success_buffer is not None:
+        tensors |= {f"self_imitation/{k}": v.contiguous() for k, v in trainer.success_buffer.tensors().items()}
     tensors["rng/torch"] = torch.get_rng_state()
     tensors["rng/generator"] = trainer.generator.get_state()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
@@ -260,6 +263,9 @@ def load_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> int
             optimizer_state.setdefault(int(pid), {})[slot] = value
     groups = _optimizer_groups(state["optimizer_param_groups"], trainer.optimizer.param_groups)
     trainer.optimizer.load_state_dict({"state": optimizer_state, "param_groups": groups})
+    if trainer.success_buffer is not None:
+        prefix = "self_imitation/"
+        trainer.success_buffer.load({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
     torch.set_rng_state(tensors["rng/torch"])
     trainer.generator.set_state(tensors["rng/generator"])
     np_kind, np_pos, np_has_gauss, np_gauss = state["rng_numpy"]

@@ -195,6 +195,7 @@ from offline_agent.online.kl import (
     masked_log_softmax,
 )
 from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter, add_blocked
+from offline_agent.online.self_imitation import Step, SuccessBuffer, self_imitation_loss
 from offline_agent.online.vector import VectorMode, make_vector_env
 
 #: Metric names of one iteration (a stable contract; `safety/blocked/<rule>` columns are added per rule).
@@ -213,6 +214,8 @@ METRICS = (
     "loss/policy",
     "loss/value",
     "loss/kl",
+    "loss/self_imitation",
+    "self_imitation/buffer_steps",
     "charts/success_rate",
     "charts/episode_return",
     "charts/episode_length",
@@ -281,6 +284,15 @@ class PPOConfig:
         metadata={"help": "weight W of potential-based shaping on the environment's sub-goals, "
                   "W * (gamma * Phi(s') - Phi(s)) with Phi = sub_goals_done / sub_goals_total; 0 = off"},
     )
+    self_imitation: float = field(
+        default=0.0,
+        metadata={"help": "weight of self-imitation (Oh et al. 2018): after each PPO update, num_minibatches "
+                  "minibatch steps of -log pi(a|s) * max(R - V(s), 0) over the steps of recent successful "
+                  "episodes (see self_imitation.py); 0 = off"},
+    )
+    self_imitation_buffer: int = field(
+        default=2048, metadata={"help": "steps of successful episodes kept for self-imitation (the most recent)"}
+    )
     value_init: Literal["critic", "zero"] = field(
         default="zero", metadata={"help": "critic: V = V_ref(s) + MLP residual; zero: a fresh MLP"}
     )
@@ -313,7 +325,7 @@ class PPOConfig:
         if self.tau is not None and not self.tau > 0:
             raise UserError(f"--tau must be > 0, got {self.tau}; e.g. 0.5 (leave it out to keep the checkpoint's)")
         positive = ("iterations", "num_envs", "num_steps", "update_epochs", "num_minibatches", "kl_horizon")
-        positive += ("checkpoint_every",)
+        positive += ("checkpoint_every", "self_imitation_buffer")
         for name in positive + ("value_hidden", "torch_threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -338,7 +350,7 @@ class PPOConfig:
         for name in ("learning_rate", "value_learning_rate", "clip_coef", "max_grad_norm", "init_beta"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("ent_coef", "vf_coef", "subgoal_shaping"):
+        for name in ("ent_coef", "vf_coef", "subgoal_shaping", "self_imitation"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.value_init not in ("critic", "zero"):
@@ -620,6 +632,10 @@ class PPOTrainer:
         self.shaping = torch.zeros(T, N)  # W * (gamma * Phi(s') - Phi(s)), 0 without subgoal_shaping
         self.kls = torch.zeros(T, N)
         self.dones = torch.zeros(T, N)
+        pair_dim = PAIR_DIM if self.featurizer.grounded else None
+        self.success_buffer = (
+            SuccessBuffer(c.self_imitation_buffer, N, C, D, pair_dim) if c.self_imitation > 0 else None
+        )
 
     def close(self) -> None:
         self.envs.close()
@@ -672,6 +688,7 @@ class PPOTrainer:
             next_value = self.model.value(state, ref_value)
         advantages, returns = gae(self.rewards, self.values, self.dones, next_value, c.gamma, c.gae_lambda)
         update = self.update(advantages, returns, beta)
+        update |= self.imitate()
         mean_kl = float(self.kls.mean())
         self.kl_controller.update(mean_kl, c.batch_size)
         self.iteration += 1
@@ -700,6 +717,8 @@ class PPOTrainer:
                 add_blocked(blocked, (info or {}).get("safety_blocked"))
                 self.potential[i] = subgoal_potential(info)
             self.running_return[:], self.running_length[:] = 0.0, 0
+            if self.success_buffer is not None:
+                self.success_buffer.drop_open()
         observations, running_return, running_length = self.observations, self.running_return, self.running_length
         successes, episode_returns, episode_lengths, safety_truncated = [], [], [], 0
         for t in range(c.num_steps):
@@ -723,6 +742,10 @@ class PPOTrainer:
             running_length += 1
             for i in range(c.num_envs):
                 add_blocked(blocked, (step.infos[i] or {}).get("safety_blocked"))
+                if self.success_buffer is not None:
+                    self.remember(t, i, pair)
+                    if done[i]:
+                        self.success_buffer.end_episode(i, bool(step.infos[i].get("success", False)), c.gamma)
                 if not done[i]:
                     f.record(i, observations[i]["text"], f.last_actions[i][actions[i]])
                     continue
@@ -747,6 +770,40 @@ class PPOTrainer:
             "safety/truncated": float(safety_truncated),
             **{f"safety/blocked/{name}": float(n) for name, n in blocked.items()},
         }
+
+    def remember(self, t: int, env: int, pair: torch.Tensor | None) -> None:
+        """Step t of environment `env`, copied out of the rollout storage (which the next rollout overwrites
+        while the episode may still be open) into its open episode (self-imitation)."""
+        assert self.success_buffer is not None
+        step = Step(
+            self.obs_state[t, env].clone(), self.obs_cands[t, env].clone(), self.masks[t, env].clone(),
+            None if pair is None else pair[env].clone(), self.ref_values[t, env].clone(),
+            int(self.actions[t, env]), float(self.rewards[t, env]),
+        )
+        self.success_buffer.record(env, step)
+
+    def imitate(self) -> dict[str, float]:
+        """`num_minibatches` minibatch steps of self-imitation on the success buffer (none when it is off or
+        empty); returns the mean loss (before its weight) and the buffer's size."""
+        c, dev, buffer = self.config, self.device, self.success_buffer
+        if buffer is None or buffer.size == 0:
+            return {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": 0.0}
+        total = 0.0
+        for _ in range(c.num_minibatches):
+            rows = buffer.sample(c.minibatch_size, self.generator)
+            state, mask = buffer.state[rows].to(dev), buffer.mask[rows].to(dev)
+            pair = None if buffer.pair is None else buffer.pair[rows].to(dev)
+            logp = masked_log_softmax(self.model.logits(state, buffer.cands[rows].to(dev), mask, pair), mask)
+            taken = logp.gather(1, buffer.action[rows].to(dev)[:, None]).squeeze(1)  # (b,)
+            with torch.no_grad():
+                values = self.model.value(state, buffer.ref_value[rows].to(dev))
+            loss = self_imitation_loss(taken, buffer.returns[rows].to(dev), values)
+            self.optimizer.zero_grad(set_to_none=True)
+            (c.self_imitation * loss).backward()
+            nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
+            self.optimizer.step()
+            total += loss.item()
+        return {"loss/self_imitation": total / c.num_minibatches, "self_imitation/buffer_steps": float(buffer.size)}
 
     def safety_metric_names(self) -> list[str]:
         names = []
