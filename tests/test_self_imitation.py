@@ -69,7 +69,8 @@ def test_the_buffer_keeps_successful_episodes_only_with_their_returns_oldest_out
 @pytest.mark.parametrize(
     ("settings", "message"),
     [({"self_imitation": -1.0}, "self_imitation must be >= 0"),
-     ({"self_imitation_buffer": 0}, "self-imitation-buffer must be >= 1")],
+     ({"self_imitation_buffer": 0}, "self-imitation-buffer must be >= 1"),
+     ({"self_imitation_steps": 0}, "self-imitation-steps must be >= 1")],
 )
 def test_config_rejects_bad_self_imitation_settings(settings, message):
     with pytest.raises(UserError, match=message):
@@ -94,7 +95,7 @@ def test_rollouts_buffer_exactly_the_successful_episodes_and_imitation_raises_th
 
     gamma, T, N, rollouts = 0.9, 2, 2, 12
     config = PPOConfig(num_envs=N, num_steps=T, vector="sync", beta=0.0, gamma=gamma, self_imitation=1.0,
-                       learning_rate=1e-2, checkpoint_every=100, num_minibatches=2)
+                       learning_rate=1e-2, checkpoint_every=100, num_minibatches=2, self_imitation_steps=3)
     trainer = PPOTrainer(Policy.load(tiny_run), "online_envs:make_widget", config)
     try:
         EXECUTED.clear()
@@ -141,6 +142,7 @@ def test_rollouts_buffer_exactly_the_successful_episodes_and_imitation_raises_th
         assert after > before
         trained = [p for p in trainer.model.policy_head.parameters() if p.requires_grad]
         assert any(not torch.equal(a, b) for a, b in zip(params, trained, strict=True))
+        assert {int(trainer.optimizer.state[p]["step"]) for p in trained} == {3}  # self_imitation_steps
     finally:
         trainer.close()
 

@@ -286,9 +286,12 @@ class PPOConfig:
     )
     self_imitation: float = field(
         default=0.0,
-        metadata={"help": "weight of self-imitation (Oh et al. 2018): after each PPO update, num_minibatches "
+        metadata={"help": "weight of self-imitation (Oh et al. 2018): after each PPO update, self_imitation_steps "
                   "minibatch steps of -log pi(a|s) * max(R - V(s), 0) over the steps of recent successful "
                   "episodes (see self_imitation.py); 0 = off"},
+    )
+    self_imitation_steps: int = field(
+        default=4, metadata={"help": "self-imitation minibatch steps (of minibatch_size rows) per iteration"}
     )
     self_imitation_buffer: int = field(
         default=2048, metadata={"help": "steps of successful episodes kept for self-imitation (the most recent)"}
@@ -325,7 +328,7 @@ class PPOConfig:
         if self.tau is not None and not self.tau > 0:
             raise UserError(f"--tau must be > 0, got {self.tau}; e.g. 0.5 (leave it out to keep the checkpoint's)")
         positive = ("iterations", "num_envs", "num_steps", "update_epochs", "num_minibatches", "kl_horizon")
-        positive += ("checkpoint_every", "self_imitation_buffer")
+        positive += ("checkpoint_every", "self_imitation_buffer", "self_imitation_steps")
         for name in positive + ("value_hidden", "torch_threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -783,13 +786,13 @@ class PPOTrainer:
         self.success_buffer.record(env, step)
 
     def imitate(self) -> dict[str, float]:
-        """`num_minibatches` minibatch steps of self-imitation on the success buffer (none when it is off or
-        empty); returns the mean loss (before its weight) and the buffer's size."""
+        """`self_imitation_steps` minibatch steps of self-imitation on the success buffer (none when it is off
+        or empty); returns the mean loss (before its weight) and the buffer's size."""
         c, dev, buffer = self.config, self.device, self.success_buffer
         if buffer is None or buffer.size == 0:
             return {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": 0.0}
         total = 0.0
-        for _ in range(c.num_minibatches):
+        for _ in range(c.self_imitation_steps):
             rows = buffer.sample(c.minibatch_size, self.generator)
             state, mask = buffer.state[rows].to(dev), buffer.mask[rows].to(dev)
             pair = None if buffer.pair is None else buffer.pair[rows].to(dev)
@@ -803,7 +806,8 @@ class PPOTrainer:
             nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
             self.optimizer.step()
             total += loss.item()
-        return {"loss/self_imitation": total / c.num_minibatches, "self_imitation/buffer_steps": float(buffer.size)}
+        mean_loss = total / c.self_imitation_steps
+        return {"loss/self_imitation": mean_loss, "self_imitation/buffer_steps": float(buffer.size)}
 
     def safety_metric_names(self) -> list[str]:
         names = []
