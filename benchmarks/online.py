@@ -120,8 +120,8 @@ def variant(args: argparse.Namespace) -> str:
     tag += "" if args.tau is None else f"-tau{args.tau:g}"
     tag += f"-shaping{args.subgoal_shaping:g}" if args.subgoal_shaping else ""
     if args.self_imitation:
-        steps = args.self_imitation_steps
-        tag += f"-sil{args.self_imitation:g}" + (f"x{steps}" if steps != 4 else "")
+        epochs = args.self_imitation_epochs
+        tag += f"-sil{args.self_imitation:g}" + (f"x{epochs:g}" if epochs != 2 else "")
     return tag + ("-safety" if args.safety else "")
 
 
@@ -146,7 +146,7 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
         ("finetune", dict(target_kl=args.target_kl, kl_horizon=args.kl_horizon, value_init=args.value_init,
                           policy_init=args.policy_init, learning_rate=args.learning_rate, tau=args.tau,
                           subgoal_shaping=args.subgoal_shaping, self_imitation=args.self_imitation,
-                          self_imitation_steps=args.self_imitation_steps)),
+                          self_imitation_epochs=args.self_imitation_epochs)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         if name == "scratch" and args.no_scratch:
@@ -322,8 +322,8 @@ def main() -> None:
                         help="weight of potential-based sub-goal shaping in fine-tuning (scratch trains without)")
     parser.add_argument("--self-imitation", type=float, default=0.0,
                         help="weight of self-imitation of successful episodes in fine-tuning (scratch trains without)")
-    parser.add_argument("--self-imitation-steps", type=int, default=4,
-                        help="self-imitation minibatch steps per iteration")
+    parser.add_argument("--self-imitation-epochs", type=float, default=2.0,
+                        help="passes of self-imitation over its buffer per iteration")
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
@@ -392,7 +392,8 @@ def main() -> None:
         f"{args.target_kl} (horizon {args.kl_horizon} env steps), policy {args.policy_init}, lr {fine_lr}, "
         f"tau {'of the CQL checkpoint' if args.tau is None else args.tau}, "
         + (f"sub-goal shaping {args.subgoal_shaping:g}, " if args.subgoal_shaping else "")
-        + (f"self-imitation {args.self_imitation:g} ({args.self_imitation_steps} minibatch steps an iteration), "
+        + (f"self-imitation {args.self_imitation:g} ({args.self_imitation_epochs:g} passes over its buffer an "
+           "iteration), "
            if args.self_imitation else "")
         + f"value head {args.value_init}; "
         + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "

@@ -46,6 +46,14 @@ BENCHMARKS = [
     ("online_logs400_tau03_shaping1", "online.py", ["--sims", "logistics", "--logs", "400", "--cql-steps", "2000",
                                                     "--tau", "0.3", "--subgoal-shaping", "1", "--no-scratch",
                                                     "--threads", "1"]),
+    # The same starts and settings with self-imitation of the run's own successes (2 passes over its buffer an
+    # iteration).
+    ("online_logs400_tau05_shaping1_sil1", "online.py", ["--sims", "support", "--logs", "400", "--cql-steps", "2000",
+                                                        "--tau", "0.5", "--subgoal-shaping", "1", "--self-imitation",
+                                                        "1", "--no-scratch", "--threads", "1"]),
+    ("online_logs400_tau03_shaping1_sil1", "online.py", ["--sims", "logistics", "--logs", "400", "--cql-steps",
+                                                        "2000", "--tau", "0.3", "--subgoal-shaping", "1",
+                                                        "--self-imitation", "1", "--no-scratch", "--threads", "1"]),
 ]
 
 

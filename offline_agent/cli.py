@@ -388,8 +388,8 @@ def finetune_command(
         help="weight of self-imitation: after each PPO update, imitate the calls of recent successful episodes "
         "where they did better than the value head expected (Oh et al. 2018) [default: 0, off]",
     ),
-    self_imitation_steps: int = typer.Option(
-        4, "--self-imitation-steps", help="self-imitation minibatch steps per iteration"
+    self_imitation_epochs: float = typer.Option(
+        2.0, "--self-imitation-epochs", help="passes of self-imitation over its buffer per iteration"
     ),
     checkpoint_every: int = typer.Option(
         5, "--checkpoint-every", help="resumable checkpoint (and env reset) every N iterations"
@@ -416,7 +416,7 @@ def finetune_command(
         policy_init=policy_init, kl_gradient=kl_gradient, learning_rate=learning_rate, vector=vector, device=device,
         from_scratch=from_scratch,
         checkpoint_every=checkpoint_every, torch_threads=torch_threads, tau=tau, subgoal_shaping=subgoal_shaping,
-        self_imitation=self_imitation, self_imitation_steps=self_imitation_steps,
+        self_imitation=self_imitation, self_imitation_epochs=self_imitation_epochs,
         **({} if value_learning_rate is None else {"value_learning_rate": value_learning_rate}),
     )
     result = finetune(

@@ -3,6 +3,8 @@ steps, and its updates make the policy take them more often."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,7 @@ import torch
 from offline_agent.actions import canonical_action
 from offline_agent.errors import UserError
 from offline_agent.online.kl import masked_log_softmax
-from offline_agent.online.ppo import PPOConfig, PPOTrainer
+from offline_agent.online.ppo import PPOConfig, PPOTrainer, imitation_steps
 from offline_agent.online.self_imitation import Step, SuccessBuffer, discounted_returns, self_imitation_loss
 
 
@@ -29,6 +31,12 @@ def test_the_loss_imitates_only_what_did_better_than_expected_and_leaves_v_alone
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([-0.6 / 3, 0.0, 0.0]))
     assert values.grad is None  # V is the baseline here, not trained by this loss
+
+
+def test_the_imitation_steps_are_passes_over_the_buffer_so_few_while_it_is_small():
+    assert imitation_steps(2048, 2.0, 128) == 32
+    assert imitation_steps(180, 2.0, 128) == 3  # ceil(2.8125)
+    assert imitation_steps(1, 0.5, 128) == 1
 
 
 def _step(marker: float, reward: float, action: int = 1) -> Step:
@@ -70,7 +78,7 @@ def test_the_buffer_keeps_successful_episodes_only_with_their_returns_oldest_out
     ("settings", "message"),
     [({"self_imitation": -1.0}, "self_imitation must be >= 0"),
      ({"self_imitation_buffer": 0}, "self-imitation-buffer must be >= 1"),
-     ({"self_imitation_steps": 0}, "self-imitation-steps must be >= 1")],
+     ({"self_imitation_epochs": 0.0}, "self_imitation_epochs must be > 0")],
 )
 def test_config_rejects_bad_self_imitation_settings(settings, message):
     with pytest.raises(UserError, match=message):
@@ -95,7 +103,7 @@ def test_rollouts_buffer_exactly_the_successful_episodes_and_imitation_raises_th
 
     gamma, T, N, rollouts = 0.9, 2, 2, 12
     config = PPOConfig(num_envs=N, num_steps=T, vector="sync", beta=0.0, gamma=gamma, self_imitation=1.0,
-                       learning_rate=1e-2, checkpoint_every=100, num_minibatches=2, self_imitation_steps=3)
+                       learning_rate=1e-2, checkpoint_every=100, num_minibatches=2, self_imitation_epochs=0.5)
     trainer = PPOTrainer(Policy.load(tiny_run), "online_envs:make_widget", config)
     try:
         EXECUTED.clear()
@@ -142,7 +150,8 @@ def test_rollouts_buffer_exactly_the_successful_episodes_and_imitation_raises_th
         assert after > before
         trained = [p for p in trainer.model.policy_head.parameters() if p.requires_grad]
         assert any(not torch.equal(a, b) for a, b in zip(params, trained, strict=True))
-        assert {int(trainer.optimizer.state[p]["step"]) for p in trained} == {3}  # self_imitation_steps
+        # Half a pass over the buffer in minibatches of N * T / 2 = 2 rows.
+        assert {int(trainer.optimizer.state[p]["step"]) for p in trained} == {math.ceil(buffer.size / 4)}
     finally:
         trainer.close()
 

@@ -147,6 +147,25 @@ PipelineRepair 0.63). A policy that put 0.95 on it would sit 0.59-0.64 nats a st
 against the 0.05 target. That is an upper bound: the reference's greedy call is not the expert's at 29%
 of those PipelineRepair states, yet PipelineRepair reached 50/50 at a mean KL of 0.066.
 
+Self-imitation (`self_imitation` W, off by default; `self_imitation.py`): after each PPO update, minibatch
+steps of `-log pi(a|s) * max(R - V(s), 0)` over a buffer of the last 2,048 steps of successful episodes
+(Oh et al. 2018). PPO uses each rollout once, and the KL penalty takes back the small steps it makes toward a
+sampled success; imitation keeps those successes and trains on them again. Measured from the `--logs 400`
+starts above (same checkpoints and settings, W = 1, one seed, greedy success on 50 episodes from seed 1000;
+offline 31/50 and 38/50, PPO alone 39/50 and 43/50), Logistics then CustomerSupport, with a fixed number of
+imitation steps an iteration:
+- 4 steps: 41/50 and 41/50; mean KL 0.09 and 0.06 a step;
+- 32 steps: 43/50 (0.86 [0.74, 0.93]) and 46/50 (0.92 [0.81, 0.97]). Sampled training success over the last 5
+  iterations rose to 0.57 and 0.81 (0.25 and 0.46 over the first 5), at a mean KL of 0.31 and 0.40 a step
+  against the 0.05 target, with beta raised from 0.1 to 0.77. But early on it dipped: after 1 and 2 iterations
+  Logistics' greedy policy stood at 28/50 and 17/50 (from 31/50), CustomerSupport's at 29/50 after 1 (from
+  38/50). 32 steps of 128 rows went 23 times over the 180 steps of Logistics' first successes;
+- 128 steps: the policy memorised the early buffer (loss ~0.02) and left the reference (KL 1-1.7 a step);
+  Logistics' sampled success fell to 0.04-0.09 within 8 iterations. Stopped there.
+Hence `self_imitation_epochs`: the passes over the buffer are fixed (2 by default: 32 steps once the buffer is
+full, 3 after Logistics' first iteration), not the steps.
+SIL_EPOCHS_RESULTS
+
 The KL gradient: `-beta * KL(pi(.|s) || pi_ref(.|s))` is in the rewards (what the
 issue asks, and what GAE discounts), but the penalty at s does not depend on the
 action taken at s, so the clipped objective carries no gradient that moves
@@ -290,8 +309,10 @@ class PPOConfig:
                   "minibatch steps of -log pi(a|s) * max(R - V(s), 0) over the steps of recent successful "
                   "episodes (see self_imitation.py); 0 = off"},
     )
-    self_imitation_steps: int = field(
-        default=4, metadata={"help": "self-imitation minibatch steps (of minibatch_size rows) per iteration"}
+    self_imitation_epochs: float = field(
+        default=2.0,
+        metadata={"help": "passes over the success buffer per iteration, in minibatches of minibatch_size rows "
+                  "(ceil(epochs * buffer steps / minibatch_size) steps: few while the buffer is small), > 0"},
     )
     self_imitation_buffer: int = field(
         default=2048, metadata={"help": "steps of successful episodes kept for self-imitation (the most recent)"}
@@ -328,7 +349,7 @@ class PPOConfig:
         if self.tau is not None and not self.tau > 0:
             raise UserError(f"--tau must be > 0, got {self.tau}; e.g. 0.5 (leave it out to keep the checkpoint's)")
         positive = ("iterations", "num_envs", "num_steps", "update_epochs", "num_minibatches", "kl_horizon")
-        positive += ("checkpoint_every", "self_imitation_buffer", "self_imitation_steps")
+        positive += ("checkpoint_every", "self_imitation_buffer")
         for name in positive + ("value_hidden", "torch_threads"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -350,7 +371,8 @@ class PPOConfig:
             self.learning_rate = DEFAULT_LEARNING_RATES[self.policy_init]
         if self.value_learning_rate is None:
             self.value_learning_rate = self.learning_rate
-        for name in ("learning_rate", "value_learning_rate", "clip_coef", "max_grad_norm", "init_beta"):
+        for name in ("learning_rate", "value_learning_rate", "clip_coef", "max_grad_norm", "init_beta",
+                     "self_imitation_epochs"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in ("ent_coef", "vf_coef", "subgoal_shaping", "self_imitation"):
@@ -446,6 +468,11 @@ def shaping_reward(potential: np.ndarray, next_potential: np.ndarray, done: np.n
     credited.
     """
     return gamma * np.where(done, 0.0, next_potential) - potential
+
+
+def imitation_steps(buffer_steps: int, epochs: float, minibatch_size: int) -> int:
+    """Minibatch steps that pass `epochs` times over a buffer of `buffer_steps` rows: ceil(epochs * K / b)."""
+    return math.ceil(epochs * buffer_steps / minibatch_size)
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -786,13 +813,18 @@ class PPOTrainer:
         self.success_buffer.record(env, step)
 
     def imitate(self) -> dict[str, float]:
-        """`self_imitation_steps` minibatch steps of self-imitation on the success buffer (none when it is off
-        or empty); returns the mean loss (before its weight) and the buffer's size."""
+        """`self_imitation_epochs` passes of self-imitation minibatch steps over the success buffer (none when
+        it is off or empty); returns the mean loss (before its weight) and the buffer's size.
+
+        The passes, not a number of steps, are fixed: a fixed 32 steps an iteration went 23 times over the 180
+        steps of Logistics' first successes, and the greedy policy fell from 0.62 to 0.34 in two iterations.
+        """
         c, dev, buffer = self.config, self.device, self.success_buffer
         if buffer is None or buffer.size == 0:
             return {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": 0.0}
+        steps = imitation_steps(buffer.size, c.self_imitation_epochs, c.minibatch_size)
         total = 0.0
-        for _ in range(c.self_imitation_steps):
+        for _ in range(steps):
             rows = buffer.sample(c.minibatch_size, self.generator)
             state, mask = buffer.state[rows].to(dev), buffer.mask[rows].to(dev)
             pair = None if buffer.pair is None else buffer.pair[rows].to(dev)
@@ -806,7 +838,7 @@ class PPOTrainer:
             nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
             self.optimizer.step()
             total += loss.item()
-        mean_loss = total / c.self_imitation_steps
+        mean_loss = total / steps
         return {"loss/self_imitation": mean_loss, "self_imitation/buffer_steps": float(buffer.size)}
 
     def safety_metric_names(self) -> list[str]:
