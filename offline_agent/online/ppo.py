@@ -164,7 +164,11 @@ imitation steps an iteration:
   Logistics' sampled success fell to 0.04-0.09 within 8 iterations. Stopped there.
 Hence `self_imitation_epochs`: the passes over the buffer are fixed (2 by default: 32 steps once the buffer is
 full, 3 after Logistics' first iteration), not the steps.
-SIL_EPOCHS_RESULTS
+Two passes an iteration (the default), same runs otherwise: **CustomerSupport 48/50 (0.96 [0.87, 0.99])**, the
+first CustomerSupport policy at the 95% target, at a mean KL of 0.13 a step (beta 0.35 by the end; sampled
+success 0.77 over the last 5 iterations); Logistics 39/50 (0.78), level with PPO alone, at a mean KL of 0.06.
+Logistics ended higher with the fixed 32 steps (43/50), the run that dipped early; one seed each, and a
+difference of 2-4 episodes out of 50 is within noise.
 
 The KL gradient: `-beta * KL(pi(.|s) || pi_ref(.|s))` is in the rewards (what the
 issue asks, and what GAE discounts), but the penalty at s does not depend on the
