@@ -311,9 +311,9 @@ class PPOConfig:
     )
     self_imitation: float = field(
         default=0.0,
-        metadata={"help": "weight of self-imitation (Oh et al. 2018): after each PPO update, self_imitation_steps "
-                  "minibatch steps of -log pi(a|s) * max(R - V(s), 0) over the steps of recent successful "
-                  "episodes (see self_imitation.py); 0 = off"},
+        metadata={"help": "weight of self-imitation (Oh et al. 2018): after each PPO update, "
+                  "self_imitation_epochs passes of minibatch steps of -log pi(a|s) * max(R - V(s), 0) over the "
+                  "steps of recent successful episodes (see self_imitation.py); 0 = off"},
     )
     self_imitation_epochs: float = field(
         default=2.0,
