@@ -13,13 +13,7 @@ from offline_agent.actions import canonical_action
 from offline_agent.errors import UserError
 from offline_agent.online.kl import masked_log_softmax
 from offline_agent.online.ppo import PPOConfig, PPOTrainer, imitation_steps
-from offline_agent.online.self_imitation import Step, SuccessBuffer, discounted_returns, self_imitation_loss
-
-
-def test_discounted_returns_of_an_episode_by_hand():
-    got = discounted_returns(torch.tensor([0.0, 0.5, 1.0]), gamma=0.9)
-    # R2 = 1, R1 = 0.5 + 0.9 * 1 = 1.4, R0 = 0 + 0.9 * 1.4 = 1.26
-    torch.testing.assert_close(got, torch.tensor([1.26, 1.4, 1.0]))
+from offline_agent.online.self_imitation import Step, SuccessBuffer, self_imitation_loss
 
 
 def test_the_loss_imitates_only_what_did_better_than_expected_and_leaves_v_alone():

@@ -22,17 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-
-def discounted_returns(rewards: torch.Tensor, gamma: float) -> torch.Tensor:
-    """R_t = r_t + gamma * R_{t+1} over one whole episode: rewards (L,) -> (L,), R of the last step = its reward."""
-    returns = torch.zeros_like(rewards)
-    running = torch.zeros((), dtype=rewards.dtype)
-    for t in reversed(range(rewards.shape[0])):
-        running = rewards[t] + gamma * running
-        returns[t] = running
-    return returns
+from offline_agent.rewards import discounted_returns
 
 
 def self_imitation_loss(logp_taken: torch.Tensor, returns: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -81,7 +74,8 @@ class SuccessBuffer:
         steps, self.open[env] = self.open[env], []
         if not success or not steps:
             return 0
-        returns = discounted_returns(torch.tensor([s.reward for s in steps], dtype=torch.float32), gamma)
+        rewards = np.array([s.reward for s in steps])
+        returns = torch.from_numpy(discounted_returns(rewards, np.zeros(len(steps)), gamma).astype(np.float32))
         for step, episode_return in zip(steps[-self.capacity :], returns[-self.capacity :], strict=True):
             row = self.next
             self.state[row], self.cands[row], self.mask[row] = step.state, step.cands, step.mask
@@ -101,7 +95,7 @@ class SuccessBuffer:
         return torch.randint(self.size, (n,), generator=generator)
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """The filled buffer for the resume state (`load` reads it back)."""
+        """The buffer's K rows and its cursor (size, next row) for the resume state (`load` reads them back)."""
         out = {name: getattr(self, name) for name in self.NAMES if getattr(self, name) is not None}
         return {**out, "cursor": torch.tensor([self.size, self.next], dtype=torch.long)}
 
