@@ -122,6 +122,7 @@ def variant(args: argparse.Namespace) -> str:
     if args.self_imitation:
         epochs = args.self_imitation_epochs
         tag += f"-sil{args.self_imitation:g}" + (f"x{epochs:g}" if epochs != 2 else "")
+        tag += f"b{args.self_imitation_buffer}" if args.self_imitation_buffer != 2048 else ""
     return tag + ("-safety" if args.safety else "")
 
 
@@ -146,7 +147,8 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
         ("finetune", dict(target_kl=args.target_kl, kl_horizon=args.kl_horizon, value_init=args.value_init,
                           policy_init=args.policy_init, learning_rate=args.learning_rate, tau=args.tau,
                           subgoal_shaping=args.subgoal_shaping, self_imitation=args.self_imitation,
-                          self_imitation_epochs=args.self_imitation_epochs)),
+                          self_imitation_epochs=args.self_imitation_epochs,
+                          self_imitation_buffer=args.self_imitation_buffer)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         if name == "scratch" and args.no_scratch:
@@ -324,6 +326,8 @@ def main() -> None:
                         help="weight of self-imitation of successful episodes in fine-tuning (scratch trains without)")
     parser.add_argument("--self-imitation-epochs", type=float, default=2.0,
                         help="passes of self-imitation over its buffer per iteration")
+    parser.add_argument("--self-imitation-buffer", type=int, default=2048,
+                        help="steps of recent successful episodes kept for self-imitation")
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
@@ -392,8 +396,8 @@ def main() -> None:
         f"{args.target_kl} (horizon {args.kl_horizon} env steps), policy {args.policy_init}, lr {fine_lr}, "
         f"tau {'of the CQL checkpoint' if args.tau is None else args.tau}, "
         + (f"sub-goal shaping {args.subgoal_shaping:g}, " if args.subgoal_shaping else "")
-        + (f"self-imitation {args.self_imitation:g} ({args.self_imitation_epochs:g} passes over its buffer an "
-           "iteration), "
+        + (f"self-imitation {args.self_imitation:g} ({args.self_imitation_epochs:g} passes over its buffer of "
+           f"{args.self_imitation_buffer:,} steps an iteration), "
            if args.self_imitation else "")
         + f"value head {args.value_init}; "
         + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "

@@ -391,6 +391,9 @@ def finetune_command(
     self_imitation_epochs: float = typer.Option(
         2.0, "--self-imitation-epochs", help="passes of self-imitation over its buffer per iteration"
     ),
+    self_imitation_buffer: int = typer.Option(
+        2048, "--self-imitation-buffer", help="steps of recent successful episodes kept for self-imitation"
+    ),
     checkpoint_every: int = typer.Option(
         5, "--checkpoint-every", help="resumable checkpoint (and env reset) every N iterations"
     ),
@@ -417,6 +420,7 @@ def finetune_command(
         from_scratch=from_scratch,
         checkpoint_every=checkpoint_every, torch_threads=torch_threads, tau=tau, subgoal_shaping=subgoal_shaping,
         self_imitation=self_imitation, self_imitation_epochs=self_imitation_epochs,
+        self_imitation_buffer=self_imitation_buffer,
         **({} if value_learning_rate is None else {"value_learning_rate": value_learning_rate}),
     )
     result = finetune(
