@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
+from offline_agent.online.ppo import DEFAULT_TARGET_KL  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SIMS = {
@@ -119,11 +120,27 @@ def variant(args: argparse.Namespace) -> str:
     tag = f"-logs{args.logs}" if args.logs else ""
     tag += "" if args.tau is None else f"-tau{args.tau:g}"
     tag += f"-shaping{args.subgoal_shaping:g}" if args.subgoal_shaping else ""
+    tag += kl_tag(args)
     if args.self_imitation:
         epochs = args.self_imitation_epochs
         tag += f"-sil{args.self_imitation:g}" + (f"x{epochs:g}" if epochs != 2 else "")
         tag += f"b{args.self_imitation_buffer}" if args.self_imitation_buffer != 2048 else ""
+        tag += f"s{args.self_imitation_start}" if args.self_imitation_start else ""
     return tag + ("-safety" if args.safety else "")
+
+
+def kl_tag(args: argparse.Namespace) -> str:
+    """'' for the default KL control (target 0.05), else '-kl0.2' (another target) or '-beta0.01' (fixed)."""
+    if args.beta is not None:
+        return f"-beta{args.beta:g}"
+    return "" if args.target_kl == DEFAULT_TARGET_KL else f"-kl{args.target_kl:g}"
+
+
+def kl_words(args: argparse.Namespace) -> str:
+    """The KL control of the fine-tuning runs, as the results table's notes say it."""
+    if args.beta is not None:
+        return f"fixed beta {args.beta:g}"
+    return f"target KL {args.target_kl} (horizon {args.kl_horizon} env steps)"
 
 
 def runs_folder(cache: Path, sim: str, args: argparse.Namespace) -> Path:
@@ -144,11 +161,13 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     )
     out = {}
     for name, settings in (
-        ("finetune", dict(target_kl=args.target_kl, kl_horizon=args.kl_horizon, value_init=args.value_init,
+        ("finetune", dict(target_kl=None if args.beta is not None else args.target_kl, beta=args.beta,
+                          kl_horizon=args.kl_horizon, value_init=args.value_init,
                           policy_init=args.policy_init, learning_rate=args.learning_rate, tau=args.tau,
                           subgoal_shaping=args.subgoal_shaping, self_imitation=args.self_imitation,
                           self_imitation_epochs=args.self_imitation_epochs,
-                          self_imitation_buffer=args.self_imitation_buffer)),
+                          self_imitation_buffer=args.self_imitation_buffer,
+                          self_imitation_start=args.self_imitation_start)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         if name == "scratch" and args.no_scratch:
@@ -310,7 +329,10 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=24)
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--num-steps", type=int, default=64, help="steps per env per iteration")
-    parser.add_argument("--target-kl", type=float, default=0.05)
+    parser.add_argument("--target-kl", type=float, default=DEFAULT_TARGET_KL,
+                        help="per-step KL the adaptive controller steers fine-tuning to")
+    parser.add_argument("--beta", type=float, default=None,
+                        help="a fixed KL weight instead of the adaptive controller (replaces --target-kl)")
     parser.add_argument("--kl-horizon", type=int, default=1000, help="env steps of the KL controller's horizon")
     parser.add_argument("--policy-init", default="residual", choices=["residual", "copy"])
     parser.add_argument("--learning-rate", type=float, default=None,
@@ -328,6 +350,8 @@ def main() -> None:
                         help="passes of self-imitation over its buffer per iteration")
     parser.add_argument("--self-imitation-buffer", type=int, default=2048,
                         help="steps of recent successful episodes kept for self-imitation")
+    parser.add_argument("--self-imitation-start", type=int, default=0,
+                        help="steps of successful episodes collected before self-imitation begins")
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
@@ -392,12 +416,13 @@ def main() -> None:
         "with the previous iteration's (10+ episodes), succeed 95% of the time; early dip: the offline greedy "
         f"policy against the worst of the fine-tuned greedy policies after {', '.join(map(str, args.dip_iterations))} "
         "iteration(s), each evaluated like it (a run cut at k iterations is the same run's first k). Fine-tuning: "
-        f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, target KL "
-        f"{args.target_kl} (horizon {args.kl_horizon} env steps), policy {args.policy_init}, lr {fine_lr}, "
+        f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, {kl_words(args)}, "
+        f"policy {args.policy_init}, lr {fine_lr}, "
         f"tau {'of the CQL checkpoint' if args.tau is None else args.tau}, "
         + (f"sub-goal shaping {args.subgoal_shaping:g}, " if args.subgoal_shaping else "")
         + (f"self-imitation {args.self_imitation:g} ({args.self_imitation_epochs:g} passes over its buffer of "
-           f"{args.self_imitation_buffer:,} steps an iteration), "
+           f"{args.self_imitation_buffer:,} steps an iteration"
+           + (f", from {args.self_imitation_start:,} steps on" if args.self_imitation_start else "") + "), "
            if args.self_imitation else "")
         + f"value head {args.value_init}; "
         + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "
@@ -441,6 +466,9 @@ def main() -> None:
         title += f", offline stage on {args.logs} logged episodes" if args.logs else ""
         title += f", sub-goal shaping {args.subgoal_shaping:g}" if args.subgoal_shaping else ""
         title += f", self-imitation {args.self_imitation:g}" if args.self_imitation else ""
+        title += f" (buffer {args.self_imitation_buffer:,})" if args.self_imitation_buffer != 2048 else ""
+        title += f" (from {args.self_imitation_start:,} steps)" if args.self_imitation_start else ""
+        title += f", {kl_words(args).split(' (')[0]}" if kl_tag(args) else ""
         title += ", behind a safety filter" if args.safety else ""
         write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())
 

@@ -394,6 +394,10 @@ def finetune_command(
     self_imitation_buffer: int = typer.Option(
         2048, "--self-imitation-buffer", help="steps of recent successful episodes kept for self-imitation"
     ),
+    self_imitation_start: int = typer.Option(
+        0, "--self-imitation-start",
+        help="steps of successful episodes to collect before self-imitation begins (a warm-up) [default: 0]",
+    ),
     checkpoint_every: int = typer.Option(
         5, "--checkpoint-every", help="resumable checkpoint (and env reset) every N iterations"
     ),
@@ -420,7 +424,7 @@ def finetune_command(
         from_scratch=from_scratch,
         checkpoint_every=checkpoint_every, torch_threads=torch_threads, tau=tau, subgoal_shaping=subgoal_shaping,
         self_imitation=self_imitation, self_imitation_epochs=self_imitation_epochs,
-        self_imitation_buffer=self_imitation_buffer,
+        self_imitation_buffer=self_imitation_buffer, self_imitation_start=self_imitation_start,
         **({} if value_learning_rate is None else {"value_learning_rate": value_learning_rate}),
     )
     result = finetune(

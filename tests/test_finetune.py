@@ -207,12 +207,13 @@ def test_the_command_line_passes_threads_learning_rates_and_the_policy_settings_
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "ft"), *FAST, "--iterations", "1",
                      "--torch-threads", "2", "--value-learning-rate", "1e-3", "--subgoal-shaping", "0.5",
                      "--self-imitation", "0.25", "--self-imitation-epochs", "0.5",
-                     "--self-imitation-buffer", "64")
+                     "--self-imitation-buffer", "64", "--self-imitation-start", "16")
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "ft" / "policy.json").read_text())["config"]
     assert config["torch_threads"] == 2 and config["value_learning_rate"] == 1e-3 and config["learning_rate"] == 3e-3
     assert config["subgoal_shaping"] == 0.5 and config["self_imitation"] == 0.25
     assert config["self_imitation_epochs"] == 0.5 and config["self_imitation_buffer"] == 64
+    assert config["self_imitation_start"] == 16
     assert config["policy_init"] == "residual" and config["kl_gradient"] is True  # the defaults
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "copy"), "--iterations", "1",
                      "--num-envs", "2", "--num-steps", "16", "--policy-init", "copy", "--no-kl-gradient")

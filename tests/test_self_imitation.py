@@ -72,7 +72,8 @@ def test_the_buffer_keeps_successful_episodes_only_with_their_returns_oldest_out
     ("settings", "message"),
     [({"self_imitation": -1.0}, "self_imitation must be >= 0"),
      ({"self_imitation_buffer": 0}, "self-imitation-buffer must be >= 1"),
-     ({"self_imitation_epochs": 0.0}, "self_imitation_epochs must be > 0")],
+     ({"self_imitation_epochs": 0.0}, "self_imitation_epochs must be > 0"),
+     ({"self_imitation_start": -1}, "self_imitation_start must be >= 0")],
 )
 def test_config_rejects_bad_self_imitation_settings(settings, message):
     with pytest.raises(UserError, match=message):
@@ -158,5 +159,28 @@ def test_without_self_imitation_there_is_no_buffer_and_the_metrics_are_zero(tiny
     try:
         assert trainer.success_buffer is None
         assert trainer.imitate() == {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": 0.0}
+    finally:
+        trainer.close()
+
+
+def test_imitation_waits_until_the_buffer_holds_self_imitation_start_steps(tiny_run):
+    from offline_agent.learn.policy import Policy
+
+    config = PPOConfig(num_envs=2, num_steps=4, vector="sync", beta=0.0, self_imitation=1.0, checkpoint_every=100,
+                       num_minibatches=2, self_imitation_start=10**6)
+    trainer = PPOTrainer(Policy.load(tiny_run), "online_envs:make_widget", config)
+    try:
+        while trainer.success_buffer.size == 0:
+            trainer.collect_rollout(beta=0.0)
+            trainer.iteration += 1
+        size = trainer.success_buffer.size
+        params = [p.detach().clone() for p in trainer.model.policy_head.parameters() if p.requires_grad]
+        # Warming up: the buffer is reported, nothing is trained.
+        assert trainer.imitate() == {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": float(size)}
+        trained = [p for p in trainer.model.policy_head.parameters() if p.requires_grad]
+        assert all(torch.equal(a, b) for a, b in zip(params, trained, strict=True))
+        trainer.config.self_imitation_start = size  # reached: two passes in minibatches of 4 rows
+        assert trainer.imitate()["loss/self_imitation"] > 0
+        assert {int(trainer.optimizer.state[p]["step"]) for p in trained} == {imitation_steps(size, 2.0, 4)}
     finally:
         trainer.close()

@@ -323,6 +323,11 @@ class PPOConfig:
     self_imitation_buffer: int = field(
         default=2048, metadata={"help": "steps of successful episodes kept for self-imitation (the most recent)"}
     )
+    self_imitation_start: int = field(
+        default=0,
+        metadata={"help": "steps of successful episodes the buffer must hold before self-imitation begins "
+                  "(a warm-up: the first few successes, imitated again and again, can dip the policy); 0 = at once"},
+    )
     value_init: Literal["critic", "zero"] = field(
         default="zero", metadata={"help": "critic: V = V_ref(s) + MLP residual; zero: a fresh MLP"}
     )
@@ -381,7 +386,7 @@ class PPOConfig:
                      "self_imitation_epochs"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("ent_coef", "vf_coef", "subgoal_shaping", "self_imitation"):
+        for name in ("ent_coef", "vf_coef", "subgoal_shaping", "self_imitation", "self_imitation_start"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.value_init not in ("critic", "zero"):
@@ -820,14 +825,16 @@ class PPOTrainer:
 
     def imitate(self) -> dict[str, float]:
         """`self_imitation_epochs` passes of self-imitation minibatch steps over the success buffer (none when
-        it is off or empty); returns the mean loss (before its weight) and the buffer's size.
+        it is off, empty or holds fewer than `self_imitation_start` steps); returns the mean loss (before its
+        weight) and the buffer's size.
 
         The passes, not a number of steps, are fixed: a fixed 32 steps an iteration went 23 times over the 180
         steps of Logistics' first successes, and the greedy policy fell from 0.62 to 0.34 in two iterations.
         """
         c, dev, buffer = self.config, self.device, self.success_buffer
-        if buffer is None or buffer.size == 0:
-            return {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": 0.0}
+        size = 0 if buffer is None else buffer.size
+        if size == 0 or size < c.self_imitation_start:  # off, empty, or still warming up
+            return {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": float(size)}
         steps = imitation_steps(buffer.size, c.self_imitation_epochs, c.minibatch_size)
         total = 0.0
         for _ in range(steps):
