@@ -42,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
-from offline_agent.online.ppo import DEFAULT_TARGET_KL  # noqa: E402
+from offline_agent.online.ppo import DEFAULT_TARGET_KL, PPOConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SIMS = {
@@ -123,8 +123,8 @@ def variant(args: argparse.Namespace) -> str:
     tag += kl_tag(args)
     if args.self_imitation:
         epochs = args.self_imitation_epochs
-        tag += f"-sil{args.self_imitation:g}" + (f"x{epochs:g}" if epochs != 2 else "")
-        tag += f"b{args.self_imitation_buffer}" if args.self_imitation_buffer != 2048 else ""
+        tag += f"-sil{args.self_imitation:g}" + (f"x{epochs:g}" if epochs != PPOConfig.self_imitation_epochs else "")
+        tag += f"b{args.self_imitation_buffer}" if args.self_imitation_buffer != PPOConfig.self_imitation_buffer else ""
         tag += f"s{args.self_imitation_start}" if args.self_imitation_start else ""
     return tag + ("-safety" if args.safety else "")
 
@@ -137,10 +137,8 @@ def kl_tag(args: argparse.Namespace) -> str:
 
 
 def kl_words(args: argparse.Namespace) -> str:
-    """The KL control of the fine-tuning runs, as the results table's notes say it."""
-    if args.beta is not None:
-        return f"fixed beta {args.beta:g}"
-    return f"target KL {args.target_kl} (horizon {args.kl_horizon} env steps)"
+    """The KL control of the fine-tuning runs in a few words ('target KL 0.05', 'fixed beta 0.01')."""
+    return f"fixed beta {args.beta:g}" if args.beta is not None else f"target KL {args.target_kl}"
 
 
 def runs_folder(cache: Path, sim: str, args: argparse.Namespace) -> Path:
@@ -153,7 +151,6 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     import polars as pl
 
     from offline_agent.online.finetune import finetune
-    from offline_agent.online.ppo import PPOConfig
 
     common = dict(
         iterations=args.iterations, num_envs=args.num_envs, num_steps=args.num_steps, seed=0, vector="sync",
@@ -284,7 +281,7 @@ def throughput(run: Path, env: str, steps: int, threads: int) -> list[list[objec
 
     from offline_agent.learn.policy import Policy
     from offline_agent.online.finetune import deterministic_torch
-    from offline_agent.online.ppo import PPOConfig, PPOTrainer
+    from offline_agent.online.ppo import PPOTrainer
     from offline_agent.online.vector import make_vector_env
 
     rows = []
@@ -346,11 +343,11 @@ def main() -> None:
                         help="weight of potential-based sub-goal shaping in fine-tuning (scratch trains without)")
     parser.add_argument("--self-imitation", type=float, default=0.0,
                         help="weight of self-imitation of successful episodes in fine-tuning (scratch trains without)")
-    parser.add_argument("--self-imitation-epochs", type=float, default=2.0,
+    parser.add_argument("--self-imitation-epochs", type=float, default=PPOConfig.self_imitation_epochs,
                         help="passes of self-imitation over its buffer per iteration")
-    parser.add_argument("--self-imitation-buffer", type=int, default=2048,
+    parser.add_argument("--self-imitation-buffer", type=int, default=PPOConfig.self_imitation_buffer,
                         help="steps of recent successful episodes kept for self-imitation")
-    parser.add_argument("--self-imitation-start", type=int, default=0,
+    parser.add_argument("--self-imitation-start", type=int, default=PPOConfig.self_imitation_start,
                         help="steps of successful episodes collected before self-imitation begins")
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
@@ -406,7 +403,6 @@ def main() -> None:
         (cache / f"minutes{tag}.json").write_text(json.dumps(minutes) + "\n")
     if args.tables_only and (cache / f"minutes{tag}.json").is_file():
         minutes = json.loads((cache / f"minutes{tag}.json").read_text())
-    from offline_agent.online.ppo import PPOConfig
 
     fine_lr = PPOConfig(policy_init=args.policy_init, learning_rate=args.learning_rate).learning_rate
     table = (
@@ -416,7 +412,8 @@ def main() -> None:
         "with the previous iteration's (10+ episodes), succeed 95% of the time; early dip: the offline greedy "
         f"policy against the worst of the fine-tuned greedy policies after {', '.join(map(str, args.dip_iterations))} "
         "iteration(s), each evaluated like it (a run cut at k iterations is the same run's first k). Fine-tuning: "
-        f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, {kl_words(args)}, "
+        f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, {kl_words(args)}"
+        + ("" if args.beta is not None else f" (horizon {args.kl_horizon} env steps)") + ", "
         f"policy {args.policy_init}, lr {fine_lr}, "
         f"tau {'of the CQL checkpoint' if args.tau is None else args.tau}, "
         + (f"sub-goal shaping {args.subgoal_shaping:g}, " if args.subgoal_shaping else "")
@@ -466,9 +463,10 @@ def main() -> None:
         title += f", offline stage on {args.logs} logged episodes" if args.logs else ""
         title += f", sub-goal shaping {args.subgoal_shaping:g}" if args.subgoal_shaping else ""
         title += f", self-imitation {args.self_imitation:g}" if args.self_imitation else ""
-        title += f" (buffer {args.self_imitation_buffer:,})" if args.self_imitation_buffer != 2048 else ""
+        buffer = args.self_imitation_buffer
+        title += f" (buffer {buffer:,})" if buffer != PPOConfig.self_imitation_buffer else ""
         title += f" (from {args.self_imitation_start:,} steps)" if args.self_imitation_start else ""
-        title += f", {kl_words(args).split(' (')[0]}" if kl_tag(args) else ""
+        title += f", {kl_words(args)}" if kl_tag(args) else ""
         title += ", behind a safety filter" if args.safety else ""
         write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())
 

@@ -170,10 +170,13 @@ def test_imitation_waits_until_the_buffer_holds_self_imitation_start_steps(tiny_
                        num_minibatches=2, self_imitation_start=10**6)
     trainer = PPOTrainer(Policy.load(tiny_run), "online_envs:make_widget", config)
     try:
-        while trainer.success_buffer.size == 0:
+        for _ in range(50):  # until some episode has succeeded (bounded, so a broken env fails, not hangs)
             trainer.collect_rollout(beta=0.0)
             trainer.iteration += 1
+            if trainer.success_buffer.size:
+                break
         size = trainer.success_buffer.size
+        assert size > 0
         params = [p.detach().clone() for p in trainer.model.policy_head.parameters() if p.requires_grad]
         # Warming up: the buffer is reported, nothing is trained.
         assert trainer.imitate() == {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": float(size)}

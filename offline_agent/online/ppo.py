@@ -851,7 +851,7 @@ class PPOTrainer:
         size = 0 if buffer is None else buffer.size
         if size == 0 or size < c.self_imitation_start:  # off, empty, or still warming up
             return {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": float(size)}
-        steps = imitation_steps(buffer.size, c.self_imitation_epochs, c.minibatch_size)
+        steps = imitation_steps(size, c.self_imitation_epochs, c.minibatch_size)
         total = 0.0
         for _ in range(steps):
             rows = buffer.sample(c.minibatch_size, self.generator)
@@ -868,7 +868,7 @@ class PPOTrainer:
             self.optimizer.step()
             total += loss.item()
         mean_loss = total / steps
-        return {"loss/self_imitation": mean_loss, "self_imitation/buffer_steps": float(buffer.size)}
+        return {"loss/self_imitation": mean_loss, "self_imitation/buffer_steps": float(size)}
 
     def safety_metric_names(self) -> list[str]:
         names = []
