@@ -53,7 +53,7 @@ def main() -> None:
     for i in range(args.episodes):
         observation, info = env.reset(seed=episode_seed(args.seed, i))
         history = EpisodeHistory(task_text(info, env, observation))
-        steps, done, info = [], False, {}
+        steps, done = [], False
         while not done:
             text, candidates = str(observation["text"]), observation["candidates"]
             texts = [canonical_action(c) for c in candidates]
