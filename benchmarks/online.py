@@ -26,7 +26,7 @@ worker processes, and the simulators' own speed through the same vector envs.
 Prints the tables and writes them to benchmarks/results/online.md. With
 `--safety SPEC`, every policy (the offline one too) is trained and evaluated
 behind that safety filter: what a team that deploys the filter would see,
-reported apart from what the learner does alone. A variant (`--logs`, `--tau`,
+reported apart from what the learner does alone. A variant (`--logs`, `--tau`, `--seed`,
 `--subgoal-shaping`, `--self-imitation`, `--safety`) keeps its runs in `<sim><tag>/` of the cache
 (`support-tau0.5-safety/`) and its table in benchmarks/results/online<tag>.md (`online_tau05_safety.md`).
 """
@@ -116,7 +116,8 @@ def first_reaching(metrics, threshold: float = 0.95, min_episodes: int = 10) -> 
 
 def variant(args: argparse.Namespace) -> str:
     """'' for the default settings, else a tag of what differs ('-tau0.5', '-shaping1', '-tau0.5-safety',
-    '-logs400-tau0.3'): the runs, evaluations and result file of a variant are kept apart from the default's."""
+    '-logs400-tau0.3', '-tau0.5-seed1'): the runs, evaluations and result file of a variant are kept apart from the
+    default's."""
     tag = f"-logs{args.logs}" if args.logs else ""
     tag += "" if args.tau is None else f"-tau{args.tau:g}"
     tag += f"-shaping{args.subgoal_shaping:g}" if args.subgoal_shaping else ""
@@ -126,7 +127,8 @@ def variant(args: argparse.Namespace) -> str:
         tag += f"-sil{args.self_imitation:g}" + (f"x{epochs:g}" if epochs != PPOConfig.self_imitation_epochs else "")
         tag += f"b{args.self_imitation_buffer}" if args.self_imitation_buffer != PPOConfig.self_imitation_buffer else ""
         tag += f"s{args.self_imitation_start}" if args.self_imitation_start else ""
-    return tag + ("-safety" if args.safety else "")
+    tag += "-safety" if args.safety else ""
+    return tag + (f"-seed{args.seed}" if args.seed else "")
 
 
 def kl_tag(args: argparse.Namespace) -> str:
@@ -153,7 +155,7 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     from offline_agent.online.finetune import finetune
 
     common = dict(
-        iterations=args.iterations, num_envs=args.num_envs, num_steps=args.num_steps, seed=0, vector="sync",
+        iterations=args.iterations, num_envs=args.num_envs, num_steps=args.num_steps, seed=args.seed, vector="sync",
         torch_threads=args.threads,
     )
     out = {}
@@ -314,7 +316,9 @@ def throughput(run: Path, env: str, steps: int, threads: int) -> list[list[objec
     return rows
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The benchmark's settings from the command line (`argv`, default sys.argv), with the residual policy's
+    learning rate filled in."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sims", nargs="*", default=list(SIMS), choices=list(SIMS))
     parser.add_argument("--cache", default=str(REPO / "benchmarks" / "out" / "online"), help="offline stage and runs")
@@ -349,6 +353,9 @@ def main() -> None:
                         help="steps of recent successful episodes kept for self-imitation")
     parser.add_argument("--self-imitation-start", type=int, default=PPOConfig.self_imitation_start,
                         help="steps of successful episodes collected before self-imitation begins")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the online runs (sampling, minibatches, training environments); the offline "
+                        "stage and the evaluation episodes stay the same, so runs with other seeds are a variant")
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
@@ -365,9 +372,14 @@ def main() -> None:
     parser.add_argument(
         "--tables-only", action="store_true", help="rebuild the tables from the cached runs and evaluations"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.learning_rate is None and args.policy_init == "residual":
         args.learning_rate = RESIDUAL_LEARNING_RATE
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     cache = Path(args.cache)
     tag = variant(args)
     started = time.perf_counter()
@@ -421,7 +433,7 @@ def main() -> None:
            f"{args.self_imitation_buffer:,} steps an iteration"
            + (f", from {args.self_imitation_start:,} steps on" if args.self_imitation_start else "") + "), "
            if args.self_imitation else "")
-        + f"value head {args.value_init}; "
+        + f"value head {args.value_init}, seed {args.seed}; "
         + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "
            f"lr {args.scratch_learning_rate}")
         + f". Offline stage: CQL ({', '.join(f'{k} {v}' for k, v in cql_steps.items())} "
@@ -468,6 +480,7 @@ def main() -> None:
         title += f" (from {args.self_imitation_start:,} steps)" if args.self_imitation_start else ""
         title += f", {kl_words(args)}" if kl_tag(args) else ""
         title += ", behind a safety filter" if args.safety else ""
+        title += f", fine-tuning seed {args.seed}" if args.seed else ""
         write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())
 
 

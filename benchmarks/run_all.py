@@ -54,6 +54,15 @@ BENCHMARKS = [
     ("online_logs400_tau03_shaping1_sil1", "online.py", ["--sims", "logistics", "--logs", "400", "--cql-steps",
                                                         "2000", "--tau", "0.3", "--subgoal-shaping", "1",
                                                         "--self-imitation", "1", "--no-scratch", "--threads", "1"]),
+    # The same settings from starts on 800 logged episodes (CQL 2,000 steps); early dip after 1 and 2 iterations.
+    ("online_logs800_tau05_shaping1_sil1", "online.py", ["--sims", "support", "--logs", "800", "--cql-steps", "2000",
+                                                        "--tau", "0.5", "--subgoal-shaping", "1", "--self-imitation",
+                                                        "1", "--no-scratch", "--threads", "1", "--dip-iterations",
+                                                        "1", "2"]),
+    ("online_logs800_tau03_shaping1_sil1", "online.py", ["--sims", "logistics", "--logs", "800", "--cql-steps",
+                                                        "2000", "--tau", "0.3", "--subgoal-shaping", "1",
+                                                        "--self-imitation", "1", "--no-scratch", "--threads", "1",
+                                                        "--dip-iterations", "1", "2"]),
 ]
 
 

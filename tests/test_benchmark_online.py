@@ -1,0 +1,29 @@
+"""The online benchmark keeps every variant's runs apart: a run with other settings never reuses or overwrites
+another's cache or results table (an earlier version wrote a second target KL into the default run's folder)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.online import parse_args, runs_folder, variant
+
+LOGS800 = ["--logs", "800", "--tau", "0.3", "--subgoal-shaping", "1", "--self-imitation", "1"]
+
+
+def test_the_default_settings_have_no_tag_and_the_residual_learning_rate():
+    args = parse_args([])
+    assert variant(args) == "" and args.seed == 0 and args.learning_rate == 1e-3
+
+
+def test_a_fine_tuning_seed_is_a_variant_of_its_own():
+    assert variant(parse_args(LOGS800)) == "-logs800-tau0.3-shaping1-sil1"
+    assert variant(parse_args([*LOGS800, "--seed", "2"])) == "-logs800-tau0.3-shaping1-sil1-seed2"
+    assert variant(parse_args(["--safety", "deny:x", "--seed", "1"])) == "-safety-seed1"
+
+
+def test_seeds_keep_their_runs_apart():
+    cache = Path("cache")
+    folders = {runs_folder(cache, "support", parse_args([*LOGS800, "--seed", str(s)])) for s in (0, 1, 2)}
+    assert folders == {cache / "support-logs800-tau0.3-shaping1-sil1",
+                       cache / "support-logs800-tau0.3-shaping1-sil1-seed1",
+                       cache / "support-logs800-tau0.3-shaping1-sil1-seed2"}
