@@ -281,8 +281,8 @@ def throughput(run: Path, env: str, steps: int, threads: int) -> list[list[objec
 
     import torch
 
+    from offline_agent.determinism import deterministic_torch
     from offline_agent.learn.policy import Policy
-    from offline_agent.online.finetune import deterministic_torch
     from offline_agent.online.ppo import PPOTrainer
     from offline_agent.online.vector import make_vector_env
 

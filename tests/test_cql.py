@@ -313,6 +313,23 @@ def test_training_is_deterministic_under_a_seed():
         train_bc(f, BCConfig(steps=10, batch_size=16, hidden=16, seed=3))[1]
 
 
+def test_training_on_two_threads_gives_the_same_weights_every_time():
+    # With two CPU threads the backward of x[idx] accumulated rows in thread order: before training ran under
+    # torch's deterministic algorithms, these three runs gave three different networks.
+    f = learn_data.color_lock_features()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cql_runs = [train_cql(f, CQLConfig(steps=20, seed=0))[0].state_dict() for _ in range(3)]
+        bc_runs = [train_bc(f, BCConfig(steps=20, seed=0))[0].state_dict() for _ in range(3)]
+    finally:
+        torch.set_num_threads(threads)
+    for runs in (cql_runs, bc_runs):
+        for other in runs[1:]:
+            assert all(torch.equal(runs[0][k], other[k]) for k in runs[0])
+    assert not torch.are_deterministic_algorithms_enabled()  # the setting is restored after training
+
+
 def test_bc_and_filtered_bc_learn_from_the_logs():
     f = learn_data.color_lock_features()
     fast = {"steps": 300, "batch_size": 64, "hidden": 64, "learning_rate": 1e-3}

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offline_agent.determinism import deterministic_torch
 from offline_agent.errors import UserError
 from offline_agent.learn.cql import OnStep, check_common, optimizer_for, train_rows
 from offline_agent.learn.encoder_tuning import EncoderTuner, EncoderTuningSettings
@@ -82,6 +83,7 @@ def top_episode_rows(features: Features, rows: torch.Tensor, fraction: float) ->
     return rows[torch.isin(features.episode_index[rows], kept)]
 
 
+@deterministic_torch()  # a seed alone is not reproducible on several CPU threads
 def train_bc(
     features: Features, config: BCConfig, on_step: OnStep | None = None, tuner: EncoderTuner | None = None
 ) -> tuple[QNetwork, list[dict[str, float]]]:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from offline_agent.determinism import deterministic_torch
 from offline_agent.errors import UserError
 from offline_agent.learn.encoder_tuning import EncoderTuner, EncoderTuningSettings
 from offline_agent.learn.features import Batch, Features, make_batch
@@ -242,6 +243,7 @@ def optimizer_for(net: torch.nn.Module, config: Any, tuner: EncoderTuner | None)
     return torch.optim.Adam(groups, lr=config.learning_rate)
 
 
+@deterministic_torch()  # a seed alone is not reproducible on several CPU threads
 def train_cql(
     features: Features, config: CQLConfig, on_step: OnStep | None = None, tuner: EncoderTuner | None = None
 ) -> tuple[QNetwork, list[dict[str, float]]]:

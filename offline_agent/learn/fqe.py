@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offline_agent.determinism import deterministic_torch
 from offline_agent.errors import UserError
 from offline_agent.learn.cql import OnStep, check_common, policy_probs, polyak_update
 from offline_agent.learn.features import SPLITS, Features, step_candidates
@@ -104,6 +105,7 @@ def policy_distribution(
     return ids, mask, probs
 
 
+@deterministic_torch()  # a seed alone is not reproducible on several CPU threads
 def fitted_q_evaluation(
     features: Features, network: torch.nn.Module, config: FQEConfig, on_step: OnStep | None = None
 ) -> FQEResult:

@@ -35,8 +35,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ import polars as pl
 import torch
 from safetensors.torch import load_file, save_file
 
+from offline_agent.determinism import deterministic_torch
 from offline_agent.errors import UserError
 from offline_agent.online.ppo import METRICS, PPOConfig, PPOTrainer
 from offline_agent.online.safety import SafetyFilter
@@ -191,26 +191,6 @@ def _policy_meta(
         tau=tau,
     )
     return meta
-
-
-@contextmanager
-def deterministic_torch(threads: int) -> Iterator[None]:
-    """Deterministic kernels and a fixed thread count for the duration (both are process-wide settings).
-
-    On CPU every kernel this stage uses has a deterministic implementation. On CUDA, cuBLAS needs a fixed
-    workspace (set here unless the user set one), and an op without a deterministic kernel warns instead of
-    failing the run: bit-exact resume is guaranteed on CPU, best effort on a GPU.
-    """
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    old_threads, old_deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
-    old_warn = torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.set_num_threads(threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old_threads)
-        torch.use_deterministic_algorithms(old_deterministic, warn_only=old_warn)
 
 
 # --- resume state ------------------------------------------------------------------------------------
