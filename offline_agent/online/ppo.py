@@ -188,6 +188,13 @@ both ended at 43/50 (0.86), sampled success ~0.7, KL 0.2-0.25 a step.
 `self_imitation_start` (a warm-up: no imitation until the buffer holds that many steps) is there for the
 early dip; it was not measured on these starts.
 
+From the `--logs 800` starts (CQL 2,000 steps on 800 logged episodes; Logistics at tau 0.3, CustomerSupport at
+0.5, shaping 1, W = 1, 2 passes, 24 iterations; 2026-12-02/03), greedy success on the same 50 episodes:
+Logistics 35/50 -> 49/50 (seed 0) and 34/50 -> 47/50 (seed 1, another training's start); CustomerSupport
+45/50 -> 47/50 (seed 0) and 40/50 -> 45/50 (seed 1). No early dip: the worst policy after 1 or 2 iterations
+stood 2 episodes under its start (Logistics seed 1, 32/50); CustomerSupport seed 1 was at 49/50 after one
+iteration and 44/50 after two. The starts differ because CQL on two threads was not yet deterministic.
+
 The KL gradient: `-beta * KL(pi(.|s) || pi_ref(.|s))` is in the rewards (what the
 issue asks, and what GAE discounts), but the penalty at s does not depend on the
 action taken at s, so the clipped objective carries no gradient that moves
