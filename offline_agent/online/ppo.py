@@ -194,6 +194,9 @@ Logistics 35/50 -> 49/50 (seed 0) and 34/50 -> 47/50 (seed 1, another training's
 45/50 -> 47/50 (seed 0) and 40/50 -> 45/50 (seed 1). No early dip: the worst policy after 1 or 2 iterations
 stood 2 episodes under its start (Logistics seed 1, 32/50); CustomerSupport seed 1 was at 49/50 after one
 iteration and 44/50 after two. The starts differ because CQL on two threads was not yet deterministic.
+From the start retrained deterministically (the benchmark's `logs800` tables): Logistics 37/50 -> 49/50,
+but 30/50 and 26/50 after 1 and 2 iterations (an early dip of 22 points); CustomerSupport 43/50 -> 48/50,
+40/50 and 43/50 after 1 and 2.
 
 The KL gradient: `-beta * KL(pi(.|s) || pi_ref(.|s))` is in the rewards (what the
 issue asks, and what GAE discounts), but the penalty at s does not depend on the
