@@ -127,6 +127,7 @@ def variant(args: argparse.Namespace) -> str:
         tag += f"-sil{args.self_imitation:g}" + (f"x{epochs:g}" if epochs != PPOConfig.self_imitation_epochs else "")
         tag += f"b{args.self_imitation_buffer}" if args.self_imitation_buffer != PPOConfig.self_imitation_buffer else ""
         tag += f"s{args.self_imitation_start}" if args.self_imitation_start else ""
+    tag += f"-val{args.validation_episodes}" if args.validation_episodes else ""
     tag += "-safety" if args.safety else ""
     return tag + (f"-seed{args.seed}" if args.seed else "")
 
@@ -166,7 +167,8 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
                           subgoal_shaping=args.subgoal_shaping, self_imitation=args.self_imitation,
                           self_imitation_epochs=args.self_imitation_epochs,
                           self_imitation_buffer=args.self_imitation_buffer,
-                          self_imitation_start=args.self_imitation_start)),
+                          self_imitation_start=args.self_imitation_start,
+                          validation_episodes=args.validation_episodes)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         if name == "scratch" and args.no_scratch:
@@ -260,12 +262,15 @@ def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
     start = offline[0] / offline[1]
     early = {k: s / n for k, (s, n) in runs.get("early", {}).items()}
     worst = min(early, key=early.get) if early else None
+    steps = f"{int(ft['env_steps'].max()):,}"
+    if "validation/env_steps" in ft.columns:  # the validation episodes were played in the environment too
+        steps += f" (+{int(ft['validation/env_steps'].max()):,} validation)"
     return [
         sim,
         rate(*offline),
         rate(*runs["finetune"]["eval"]),
         rate(*runs["scratch"]["eval"]) if scratch is not None else "not run",
-        f"{int(ft['env_steps'].max()):,}",
+        steps,
         first_reaching(ft),
         first_reaching(scratch) if scratch is not None else "-",
         f"{ft['objective/kl'].mean():.4f}",
@@ -353,6 +358,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="steps of recent successful episodes kept for self-imitation")
     parser.add_argument("--self-imitation-start", type=int, default=PPOConfig.self_imitation_start,
                         help="steps of successful episodes collected before self-imitation begins")
+    parser.add_argument("--validation-episodes", type=int, default=0,
+                        help="fine-tuning keeps the policy (offline or an iteration's) with the best greedy success "
+                        "on this many held-out validation episodes instead of the last (0 = the last)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the online runs (sampling, minibatches, training environments); the offline "
                         "stage and the evaluation episodes stay the same, so runs with other seeds are a variant")
@@ -433,6 +441,9 @@ def main() -> None:
            f"{args.self_imitation_buffer:,} steps an iteration"
            + (f", from {args.self_imitation_start:,} steps on" if args.self_imitation_start else "") + "), "
            if args.self_imitation else "")
+        + (f"the kept policy: the best greedy one on {args.validation_episodes} validation episodes (seeds from "
+           f"{PPOConfig.validation_seed}; the offline policy and each iteration's, a tie to the later; their env "
+           "steps in brackets), " if args.validation_episodes else "")
         + f"value head {args.value_init}, seed {args.seed}; "
         + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "
            f"lr {args.scratch_learning_rate}")
@@ -479,6 +490,7 @@ def main() -> None:
         title += f" (buffer {buffer:,})" if buffer != PPOConfig.self_imitation_buffer else ""
         title += f" (from {args.self_imitation_start:,} steps)" if args.self_imitation_start else ""
         title += f", {kl_words(args)}" if kl_tag(args) else ""
+        title += f", best of {args.validation_episodes} validation episodes kept" if args.validation_episodes else ""
         title += ", behind a safety filter" if args.safety else ""
         title += f", fine-tuning seed {args.seed}" if args.seed else ""
         write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())

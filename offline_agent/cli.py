@@ -407,6 +407,14 @@ def finetune_command(
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: RUN's own]"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     from_scratch: bool = typer.Option(False, "--from-scratch", help="re-initialise the policy (baseline)"),
+    validation_episodes: int = typer.Option(
+        0, "--validation-episodes",
+        help="keep the policy (offline or any iteration's) with the best greedy success on N held-out episodes, "
+        "not the last [default: 0 = off]",
+    ),
+    validation_seed: int | None = typer.Option(
+        None, "--validation-seed", help="seed of the validation episodes [default: PPOConfig's, 2000]"
+    ),
     torch_threads: int = typer.Option(
         1, "--torch-threads",
         help="torch threads (encoding states is most of a rollout: 2 on 2 cores nearly doubles env steps/s; "
@@ -421,11 +429,12 @@ def finetune_command(
         iterations=iterations, num_envs=num_envs, num_steps=num_steps, target_kl=target_kl, beta=beta, seed=seed,
         kl_horizon=kl_horizon,
         policy_init=policy_init, kl_gradient=kl_gradient, learning_rate=learning_rate, vector=vector, device=device,
-        from_scratch=from_scratch,
+        from_scratch=from_scratch, validation_episodes=validation_episodes,
         checkpoint_every=checkpoint_every, torch_threads=torch_threads, tau=tau, subgoal_shaping=subgoal_shaping,
         self_imitation=self_imitation, self_imitation_epochs=self_imitation_epochs,
         self_imitation_buffer=self_imitation_buffer, self_imitation_start=self_imitation_start,
         **({} if value_learning_rate is None else {"value_learning_rate": value_learning_rate}),
+        **({} if validation_seed is None else {"validation_seed": validation_seed}),
     )
     result = finetune(
         run, env, out, config, safety=safety, resume=resume, overwrite=overwrite, encoder=encoder,

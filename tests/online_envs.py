@@ -87,6 +87,21 @@ class Errand(Widget):
         return observation, reward, terminated, truncated, {**info, "sub_goals_done": done, "sub_goals_total": 2}
 
 
+class Lure(Widget):
+    """The widget with a misleading reward: dropping the table pays 1 (and fails), repairing pays 0.1 (and
+    succeeds), so that PPO, which follows the reward, learns to stop succeeding."""
+
+    def step(self, action):
+        chosen = self.candidates[int(action)]
+        observation, reward, terminated, truncated, info = super().step(action)
+        reward = 1.0 if chosen == DROP else 0.1 if chosen == REPAIR else reward
+        return observation, reward, terminated, truncated, info
+
+
+def make_lure() -> Lure:
+    return Lure()
+
+
 def make_errand() -> Errand:
     return Errand()
 

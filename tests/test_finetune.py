@@ -79,7 +79,10 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "HF_HUB_OFFLINE": "1"}
 
 
-@pytest.mark.parametrize("settings", [[], ["--self-imitation", "1"]], ids=["ppo", "self-imitation"])
+@pytest.mark.parametrize(
+    "settings", [[], ["--self-imitation", "1"], ["--validation-episodes", "6"]],
+    ids=["ppo", "self-imitation", "validation"],
+)
 def test_a_killed_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tiny, tmp_path, settings):
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     # The uninterrupted run steps its envs in worker processes, the interrupted one in-process: the result
@@ -111,7 +114,13 @@ def test_a_killed_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tin
     assert (whole / "policy.safetensors").read_bytes() == (killed / "policy.safetensors").read_bytes()
     a, b = load_file(str(whole / STATE_FILE)), load_file(str(killed / STATE_FILE))
     assert a.keys() == b.keys()
-    assert settings == [] or a["self_imitation/cursor"][0] > 0  # a buffer of successes was saved and restored
+    if "--self-imitation" in settings:
+        assert a["self_imitation/cursor"][0] > 0  # a buffer of successes was saved and restored
+    if "--validation-episodes" in settings:  # the kept policy and its history too
+        assert any(key.startswith("validation/") for key in a)
+        assert json.loads((whole / "finetune.json").read_text())["validation"] == json.loads(
+            (killed / "finetune.json").read_text()
+        )["validation"]
     for key in a:
         assert torch.equal(a[key], b[key]), key  # value head, Adam moments and RNG states too
     deterministic = [c for c in METRICS if not c.startswith("time/")]
@@ -207,9 +216,11 @@ def test_the_command_line_passes_threads_learning_rates_and_the_policy_settings_
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "ft"), *FAST, "--iterations", "1",
                      "--torch-threads", "2", "--value-learning-rate", "1e-3", "--subgoal-shaping", "0.5",
                      "--self-imitation", "0.25", "--self-imitation-epochs", "0.5",
-                     "--self-imitation-buffer", "64", "--self-imitation-start", "16")
+                     "--self-imitation-buffer", "64", "--self-imitation-start", "16",
+                     "--validation-episodes", "3", "--validation-seed", "7")
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "ft" / "policy.json").read_text())["config"]
+    assert config["validation_episodes"] == 3 and config["validation_seed"] == 7
     assert config["torch_threads"] == 2 and config["value_learning_rate"] == 1e-3 and config["learning_rate"] == 3e-3
     assert config["subgoal_shaping"] == 0.5 and config["self_imitation"] == 0.25
     assert config["self_imitation_epochs"] == 0.5 and config["self_imitation_buffer"] == 64

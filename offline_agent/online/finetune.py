@@ -5,7 +5,10 @@ The run folder RUN2 holds
     policy.safetensors, policy.json   the fine-tuned policy head, in the offline checkpoint's format (algo "ppo"):
                                       `Policy.load(RUN2)` and `offline-agent evaluate RUN2` read it as they read
                                       RUN; policy.json also keeps the safety rules ("safety") it was tuned under
-                                      and the temperature ("tau", `--tau` or RUN's) it was tuned at
+                                      and the temperature ("tau", `--tau` or RUN's) it was tuned at. With
+                                      `--validation-episodes N` it is the kept policy: the one (the offline
+                                      policy or an iteration's) with the best greedy success on N held-out
+                                      episodes (`validation.py`; policy.json's "validation" says which)
     metrics.parquet                   one row per iteration (names in `ppo.METRICS`), readable with DuckDB
     curves.png                        success rate, return, KL and beta against iterations
     resume.safetensors                the resume state (below); written every `config.checkpoint_every` iterations
@@ -14,7 +17,7 @@ The run folder RUN2 holds
 
 Resume state: one safetensors file, replaced atomically (tmp + os.replace), with
 the model (policy and value heads), the Adam state, the self-imitation buffer
-(with `self_imitation` on), every random-number state
+(with `self_imitation` on), the kept policy head (with validation on), every random-number state
 (torch's global RNG and the trainer's generator as uint8 tensors, numpy's and
 Python's global RNGs) and, in its JSON metadata, the iteration, env steps, the
 KL controller and the settings that must not change across a resume. Nothing is
@@ -49,6 +52,7 @@ from offline_agent.determinism import deterministic_torch
 from offline_agent.errors import UserError
 from offline_agent.online.ppo import METRICS, PPOConfig, PPOTrainer
 from offline_agent.online.safety import SafetyFilter
+from offline_agent.online.validation import PolicySelector
 
 STATE_FILE = "resume.safetensors"
 METRICS_FILE = "metrics.parquet"
@@ -134,25 +138,39 @@ def finetune(
         random.seed(config.seed)
         np.random.seed(config.seed % 2**32)
         trainer = PPOTrainer(reference, env, config, safety_filter)
+        selector = None
+        if config.validation_episodes:
+            selector = PolicySelector(
+                reference, env, config.validation_episodes, config.validation_seed, safety_filter.specs
+            )
         try:
             if resume:
-                resumed_from = load_state(state_path, trainer, identity)
+                resumed_from = load_state(state_path, trainer, identity, selector)
                 if (out / METRICS_FILE).is_file():
                     rows = pl.read_parquet(out / METRICS_FILE).filter(pl.col("iteration") <= resumed_from).to_dicts()
+            elif selector is not None:  # the offline policy is the one to beat
+                selector.consider(0, trainer.model.policy_head)
             meta = _policy_meta(reference, env, config, safety_filter, source, trainer.tau)
             # A policy over a tuned encoder carries its layers along: the fine-tuned one plays with them too.
             encoder_layers = tuned_layers(source, reference.meta)
             with _progress(progress, config.iterations, trainer.iteration) as advance:
                 while trainer.iteration < config.iterations:
                     row = trainer.train_iteration()
+                    if selector is not None:
+                        row |= selector.consider(trainer.iteration, trainer.model.policy_head)
                     rows.append(row)
                     write_metrics(out, rows)
                     if on_iteration is not None:
                         on_iteration(row)
                     advance(row)
                     if trainer.iteration % config.checkpoint_every == 0 or trainer.iteration == config.iterations:
-                        save_checkpoint(out, trainer.model.policy_head, meta, encoder_layers)
-                        save_state(state_path, trainer, identity)
+                        if selector is None:
+                            save_checkpoint(out, trainer.model.policy_head, meta, encoder_layers)
+                        else:
+                            assert selector.kept_head is not None
+                            kept_meta = {**meta, "validation": selector.describe()}
+                            save_checkpoint(out, selector.kept_head, kept_meta, encoder_layers)
+                        save_state(state_path, trainer, identity, selector)
         finally:
             trainer.close()
     seconds = time.perf_counter() - start
@@ -170,6 +188,7 @@ def finetune(
         "seconds_this_process": round(seconds, 3),
         "resumed_from": resumed_from,
         "texts_encoded_this_process": trainer.featurizer.encoded,
+        "validation": None if selector is None else selector.describe(),
         "final_metrics": final,
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
@@ -196,7 +215,9 @@ def _policy_meta(
 # --- resume state ------------------------------------------------------------------------------------
 
 
-def save_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> None:
+def save_state(
+    path: Path, trainer: PPOTrainer, identity: dict[str, Any], selector: PolicySelector | None = None
+) -> None:
     """Everything `load_state` needs, in one safetensors file written to a temporary name and renamed."""
     tensors = {f"model/{k}": v.detach().cpu().contiguous() for k, v in trainer.model.state_dict().items()}
     optimizer = trainer.optimizer.state_dict()
@@ -205,6 +226,10 @@ def save_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> Non
             tensors[f"optimizer/{pid}/{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
     if trainer.success_buffer is not None:
         tensors |= {f"self_imitation/{k}": v.contiguous() for k, v in trainer.success_buffer.tensors().items()}
+    selection = None
+    if selector is not None:
+        selected, selection = selector.state()
+        tensors |= selected
     tensors["rng/torch"] = torch.get_rng_state()
     tensors["rng/generator"] = trainer.generator.get_state()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
@@ -218,14 +243,18 @@ def save_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> Non
         "optimizer_param_groups": optimizer["param_groups"],
         "rng_numpy": [np_kind, int(np_pos), int(np_has_gauss), float(np_gauss)],
         "rng_python": [py_version, list(py_state), py_gauss],
+        "validation": selection,
     }
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
     save_file(tensors, str(tmp), metadata={"state": json.dumps(state)})
     os.replace(tmp, path)
 
 
-def load_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> int:
-    """Restore a trainer from `save_state`'s file; returns the iteration it had completed."""
+def load_state(
+    path: Path, trainer: PPOTrainer, identity: dict[str, Any], selector: PolicySelector | None = None
+) -> int:
+    """Restore a trainer (and the run's policy selection) from `save_state`'s file; returns the iteration it
+    had completed."""
     from safetensors import safe_open
 
     try:
@@ -252,6 +281,8 @@ def load_state(path: Path, trainer: PPOTrainer, identity: dict[str, Any]) -> int
     np.random.set_state((np_kind, tensors["rng/numpy"].numpy().astype(np.uint32), np_pos, np_has_gauss, np_gauss))
     py_version, py_state, py_gauss = state["rng_python"]
     random.setstate((py_version, tuple(py_state), py_gauss))
+    if selector is not None:  # _check_same_run made sure the interrupted run validated too
+        selector.load(tensors, state["validation"], trainer.model.policy_head)
     trainer.kl_controller.beta = float(state["kl_controller"]["beta"])
     trainer.iteration = int(state["iteration"])
     trainer.env_steps = int(state["env_steps"])
@@ -344,7 +375,7 @@ def plot_curves(frame: pl.DataFrame, path: Path, title: str = "") -> None:
     from offline_agent.plots import new_figure, save_png
 
     panels = [
-        ("charts/success_rate", "success rate"),
+        ("charts/success_rate", "success rate (sampled; validation: greedy)"),
         ("charts/episode_return", "episode return"),
         ("objective/kl", "KL(pi || pi_offline) per step"),
         ("objective/beta", "beta"),
@@ -354,6 +385,10 @@ def plot_curves(frame: pl.DataFrame, path: Path, title: str = "") -> None:
     for ax, (column, label) in zip(axes, panels, strict=True):
         if column in frame.columns and frame.height:
             ax.plot(frame["iteration"].to_list(), frame[column].to_list(), marker="o", markersize=3)
+        if column == "charts/success_rate" and "validation/success_rate" in frame.columns:
+            ax.plot(frame["iteration"].to_list(), frame["validation/success_rate"].to_list(), marker="s",
+                    markersize=3, label="greedy, validation episodes")
+            ax.legend(fontsize=7)
         ax.set_title(label)
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)

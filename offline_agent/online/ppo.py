@@ -247,6 +247,7 @@ from offline_agent.online.kl import (
 )
 from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter, add_blocked
 from offline_agent.online.self_imitation import Step, SuccessBuffer, self_imitation_loss
+from offline_agent.online.validation import VALIDATION_SEED
 from offline_agent.online.vector import VectorMode, make_vector_env
 
 #: Metric names of one iteration (a stable contract; `safety/blocked/<rule>` columns are added per rule).
@@ -363,6 +364,14 @@ class PPOConfig:
     from_scratch: bool = field(
         default=False, metadata={"help": "re-initialise the policy head (the PPO-from-scratch baseline)"}
     )
+    validation_episodes: int = field(
+        default=0,
+        metadata={"help": "keep the policy with the best greedy success on this many held-out validation episodes "
+                  "(the offline policy, then each iteration's; see validation.py) instead of the last; 0 = off"},
+    )
+    validation_seed: int = field(
+        default=VALIDATION_SEED, metadata={"help": "seed of the validation episodes (episode i: episode_seed(seed, i))"}
+    )
     checkpoint_every: int = field(
         default=5,
         metadata={"help": "iterations between resumable checkpoints; the environments are re-seeded and reset there"},
@@ -412,7 +421,8 @@ class PPOConfig:
                      "self_imitation_epochs"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("ent_coef", "vf_coef", "subgoal_shaping", "self_imitation", "self_imitation_start"):
+        for name in ("ent_coef", "vf_coef", "subgoal_shaping", "self_imitation", "self_imitation_start",
+                     "validation_episodes"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.value_init not in ("critic", "zero"):

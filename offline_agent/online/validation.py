@@ -1,0 +1,116 @@
+"""Keep the best policy of a fine-tuning run, chosen by its greedy success on held-out validation episodes.
+
+The greedy policy that PPO produces is not monotone in the iterations: from the 800-episode CQL start on
+Logistics it went 0.74 -> 0.60 -> 0.52 in its first two iterations and then up to 0.98, and between
+neighbouring late iterations it swings by up to 10 points. A team deploys one policy, so the run keeps
+the one it can stand behind: after every iteration the current policy plays `episodes` greedy episodes
+on fixed validation seeds (the same seeds every time), and it replaces the kept policy when it succeeds
+at least as often as the kept one did. Iteration 0, the offline policy itself, is validated first, so the
+kept policy is never one that did worse than the offline policy on these episodes.
+
+Training itself goes on from the current parameters either way: the selection only decides what is saved
+as the run's policy. Validation episodes are environment steps too: they are counted apart
+(`validation/env_steps`), so that a comparison per env step can include them.
+
+Seeds: episode i uses `episode_seed(seed, i)`, seed 2000 by default; evaluations start at seed 0
+(`offline-agent evaluate`) or 1000 (the benchmarks) and training rollouts draw 32-bit seeds from a
+SeedSequence, so the three do not share tasks.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+#: Where validation episodes start by default (`episode_seed(VALIDATION_SEED, i)`).
+VALIDATION_SEED = 2000
+
+
+def improves(successes: int, kept_successes: int) -> bool:
+    """Does a policy with `successes` on the validation episodes replace the kept one? At least as many:
+    on a tie the later policy, which has trained on more of the environment, is kept."""
+    return successes >= kept_successes
+
+
+class PolicySelector:
+    """The kept (best-validated) policy head of a run and the history of its validations."""
+
+    def __init__(
+        self, reference: Any, env: str, episodes: int, seed: int = VALIDATION_SEED, safety: Sequence[str] = ()
+    ):
+        self.reference = reference  # its encoder and renderer settings play the validated heads
+        self.env = env
+        self.episodes = episodes
+        self.seed = seed
+        self.safety = list(safety)
+        self.kept_head: torch.nn.Module | None = None
+        self.kept_iteration = -1
+        self.kept_successes = -1
+        self.env_steps = 0
+        self.history: list[tuple[int, int]] = []  # (iteration, successes)
+        # States recur across validations (same seeds, a policy that changes little): encode each once.
+        self._memo: dict[str, Any] = {}
+
+    def play(self, head: torch.nn.Module) -> tuple[int, int]:
+        """(successes, env steps) of `head` played greedily on the validation episodes."""
+        from offline_agent.evaluate import rollout_policy
+        from offline_agent.learn.policy import Policy
+
+        policy = Policy(copy.deepcopy(head), self.reference.encoder, self.reference.meta, memo=self._memo)
+        outcomes = rollout_policy(self.env, policy, self.episodes, self.seed, safety=self.safety)
+        return sum(o.success for o in outcomes), sum(o.steps for o in outcomes)
+
+    def consider(self, iteration: int, head: torch.nn.Module) -> dict[str, float]:
+        """Validate `head` (the policy after `iteration` iterations), keep it if it `improves` on the kept
+        one; returns the metrics of this validation."""
+        successes, steps = self.play(head)
+        self.env_steps += steps
+        self.history.append((iteration, successes))
+        if improves(successes, self.kept_successes):
+            self.kept_head = copy.deepcopy(head).eval().requires_grad_(False)
+            self.kept_iteration, self.kept_successes = iteration, successes
+        return {
+            "validation/success_rate": successes / self.episodes,
+            "validation/kept_iteration": float(self.kept_iteration),
+            "validation/kept_success_rate": self.kept_successes / self.episodes,
+            "validation/env_steps": float(self.env_steps),
+        }
+
+    def describe(self) -> dict[str, Any]:
+        """What policy.json and finetune.json say about the selection."""
+        return {
+            "episodes": self.episodes,
+            "seed": self.seed,
+            "kept_iteration": self.kept_iteration,
+            "kept_success_rate": self.kept_successes / self.episodes,
+            "env_steps": self.env_steps,
+            "history": [{"iteration": i, "success_rate": s / self.episodes} for i, s in self.history],
+        }
+
+    # --- resume ------------------------------------------------------------------------------------
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """(tensors, JSON state) of the selection, for the run's resume file."""
+        assert self.kept_head is not None, "save after the first validation"
+        tensors = {f"validation/{k}": v.detach().cpu().contiguous() for k, v in self.kept_head.state_dict().items()}
+        state = {
+            "kept_iteration": self.kept_iteration,
+            "kept_successes": self.kept_successes,
+            "env_steps": self.env_steps,
+            "history": self.history,
+        }
+        return tensors, state
+
+    def load(self, tensors: dict[str, torch.Tensor], state: dict[str, Any], like: torch.nn.Module) -> None:
+        """Restore `state()`'s output; `like` is a head of the same architecture (the trainer's)."""
+        prefix = "validation/"
+        head = copy.deepcopy(like)
+        head.load_state_dict({k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)})
+        self.kept_head = head.eval().requires_grad_(False)
+        self.kept_iteration = int(state["kept_iteration"])
+        self.kept_successes = int(state["kept_successes"])
+        self.env_steps = int(state["env_steps"])
+        self.history = [(int(i), int(s)) for i, s in state["history"]]
