@@ -63,6 +63,17 @@ BENCHMARKS = [
                                                         "2000", "--tau", "0.3", "--subgoal-shaping", "1",
                                                         "--self-imitation", "1", "--no-scratch", "--threads", "1",
                                                         "--dip-iterations", "1", "2"]),
+    # The same, keeping the best policy on 64 validation episodes instead of the last.
+    ("online_logs800_tau05_shaping1_sil1_val64", "online.py", ["--sims", "support", "--logs", "800", "--cql-steps",
+                                                              "2000", "--tau", "0.5", "--subgoal-shaping", "1",
+                                                              "--self-imitation", "1", "--validation-episodes", "64",
+                                                              "--no-scratch", "--threads", "1", "--dip-iterations",
+                                                              "1", "2"]),
+    ("online_logs800_tau03_shaping1_sil1_val64", "online.py", ["--sims", "logistics", "--logs", "800", "--cql-steps",
+                                                              "2000", "--tau", "0.3", "--subgoal-shaping", "1",
+                                                              "--self-imitation", "1", "--validation-episodes", "64",
+                                                              "--no-scratch", "--threads", "1", "--dip-iterations",
+                                                              "1", "2"]),
 ]
 
 
