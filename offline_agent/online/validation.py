@@ -55,22 +55,24 @@ class PolicySelector:
         self._memo: dict[str, Any] = {}
 
     def play(self, head: torch.nn.Module) -> tuple[int, int]:
-        """(successes, env steps) of `head` played greedily on the validation episodes."""
+        """(successes, env steps) of `head` played greedily on the validation episodes (`Policy` puts it in
+        eval mode: pass a copy of a head in training)."""
         from offline_agent.evaluate import rollout_policy
         from offline_agent.learn.policy import Policy
 
-        policy = Policy(copy.deepcopy(head), self.reference.encoder, self.reference.meta, memo=self._memo)
+        policy = Policy(head, self.reference.encoder, self.reference.meta, memo=self._memo)
         outcomes = rollout_policy(self.env, policy, self.episodes, self.seed, safety=self.safety)
         return sum(o.success for o in outcomes), sum(o.steps for o in outcomes)
 
     def consider(self, iteration: int, head: torch.nn.Module) -> dict[str, float]:
         """Validate `head` (the policy after `iteration` iterations), keep it if it `improves` on the kept
         one; returns the metrics of this validation."""
-        successes, steps = self.play(head)
+        snapshot = copy.deepcopy(head).requires_grad_(False)  # played, and kept if it improves
+        successes, steps = self.play(snapshot)
         self.env_steps += steps
         self.history.append((iteration, successes))
         if improves(successes, self.kept_successes):
-            self.kept_head = copy.deepcopy(head).eval().requires_grad_(False)
+            self.kept_head = snapshot
             self.kept_iteration, self.kept_successes = iteration, successes
         return {
             "validation/success_rate": successes / self.episodes,
