@@ -43,6 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
 from offline_agent.online.ppo import DEFAULT_TARGET_KL, PPOConfig  # noqa: E402
+from offline_agent.online.validation import KEEP_RULES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SIMS = {
@@ -56,6 +57,13 @@ EVAL_SEED = 1000
 # and Logistics, 15k env steps: no gain); at 1e-3 all 16 minibatch steps of an iteration are taken. A copied
 # network keeps PPOConfig's much smaller default (its logits are Q / tau).
 RESIDUAL_LEARNING_RATE = 1e-3
+#: The validation rules (`--validation-keep`) in the words of the table's notes and of its title.
+KEEP_WORDS = {
+    "best": "the best greedy one",
+    "guard": "the latest greedy one that succeeds at least as often as the offline policy (until one does, the "
+    "offline one)",
+}
+TITLE_KEEP_WORDS = {"best": ", best of {n} validation episodes kept", "guard": ", guarded by {n} validation episodes"}
 
 
 def offline_folder(cache: Path, sim: str, logs: int) -> Path:
@@ -127,7 +135,8 @@ def variant(args: argparse.Namespace) -> str:
         tag += f"-sil{args.self_imitation:g}" + (f"x{epochs:g}" if epochs != PPOConfig.self_imitation_epochs else "")
         tag += f"b{args.self_imitation_buffer}" if args.self_imitation_buffer != PPOConfig.self_imitation_buffer else ""
         tag += f"s{args.self_imitation_start}" if args.self_imitation_start else ""
-    tag += f"-val{args.validation_episodes}" if args.validation_episodes else ""
+    if args.validation_episodes:
+        tag += f"-val{args.validation_episodes}" + ("" if args.validation_keep == "best" else args.validation_keep)
     tag += "-safety" if args.safety else ""
     return tag + (f"-seed{args.seed}" if args.seed else "")
 
@@ -168,7 +177,7 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
                           self_imitation_epochs=args.self_imitation_epochs,
                           self_imitation_buffer=args.self_imitation_buffer,
                           self_imitation_start=args.self_imitation_start,
-                          validation_episodes=args.validation_episodes)),
+                          validation_episodes=args.validation_episodes, validation_keep=args.validation_keep)),
         ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
     ):
         if name == "scratch" and args.no_scratch:
@@ -361,6 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--validation-episodes", type=int, default=0,
                         help="fine-tuning keeps the policy (offline or an iteration's) with the best greedy success "
                         "on this many held-out validation episodes instead of the last (0 = the last)")
+    parser.add_argument("--validation-keep", choices=KEEP_RULES, default=PPOConfig.validation_keep,
+                        help="which validated policy fine-tuning keeps: best (the most successes) or guard (the "
+                        "latest with at least the offline policy's)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the online runs (sampling, minibatches, training environments); the offline "
                         "stage and the evaluation episodes stay the same, so runs with other seeds are a variant")
@@ -441,9 +453,9 @@ def main() -> None:
            f"{args.self_imitation_buffer:,} steps an iteration"
            + (f", from {args.self_imitation_start:,} steps on" if args.self_imitation_start else "") + "), "
            if args.self_imitation else "")
-        + (f"the kept policy: the best greedy one on {args.validation_episodes} validation episodes (seeds from "
-           f"{PPOConfig.validation_seed}; the offline policy and each iteration's, a tie to the later; their env "
-           "steps in brackets), " if args.validation_episodes else "")
+        + (f"the kept policy: {KEEP_WORDS[args.validation_keep]} on {args.validation_episodes} validation "
+           f"episodes (seeds from {PPOConfig.validation_seed}; the offline policy and each iteration's, a tie to "
+           "the later; their env steps in brackets), " if args.validation_episodes else "")
         + f"value head {args.value_init}, seed {args.seed}; "
         + ("scratch: not run" if args.no_scratch else f"scratch: same steps, beta 0, the CQL checkpoint's tau, "
            f"lr {args.scratch_learning_rate}")
@@ -490,7 +502,8 @@ def main() -> None:
         title += f" (buffer {buffer:,})" if buffer != PPOConfig.self_imitation_buffer else ""
         title += f" (from {args.self_imitation_start:,} steps)" if args.self_imitation_start else ""
         title += f", {kl_words(args)}" if kl_tag(args) else ""
-        title += f", best of {args.validation_episodes} validation episodes kept" if args.validation_episodes else ""
+        if args.validation_episodes:
+            title += TITLE_KEEP_WORDS[args.validation_keep].format(n=args.validation_episodes)
         title += ", behind a safety filter" if args.safety else ""
         title += f", fine-tuning seed {args.seed}" if args.seed else ""
         write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())

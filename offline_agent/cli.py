@@ -409,8 +409,13 @@ def finetune_command(
     from_scratch: bool = typer.Option(False, "--from-scratch", help="re-initialise the policy (baseline)"),
     validation_episodes: int = typer.Option(
         0, "--validation-episodes",
-        help="keep the policy (offline or any iteration's) with the best greedy success on N held-out episodes, "
-        "not the last [default: 0 = off]",
+        help="play the offline policy and each iteration's greedily on N held-out episodes and keep one by "
+        "--validation-keep, not the last [default: 0 = off]",
+    ),
+    validation_keep: str = typer.Option(
+        "best", "--validation-keep",
+        help="best: the most validation successes; guard: the latest policy with at least the offline one's "
+        "(no early dip, and the last policy once it has passed)",
     ),
     validation_seed: int | None = typer.Option(
         None, "--validation-seed", help="seed of the validation episodes [default: PPOConfig's, 2000]"
@@ -429,7 +434,7 @@ def finetune_command(
         iterations=iterations, num_envs=num_envs, num_steps=num_steps, target_kl=target_kl, beta=beta, seed=seed,
         kl_horizon=kl_horizon,
         policy_init=policy_init, kl_gradient=kl_gradient, learning_rate=learning_rate, vector=vector, device=device,
-        from_scratch=from_scratch, validation_episodes=validation_episodes,
+        from_scratch=from_scratch, validation_episodes=validation_episodes, validation_keep=validation_keep,
         checkpoint_every=checkpoint_every, torch_threads=torch_threads, tau=tau, subgoal_shaping=subgoal_shaping,
         self_imitation=self_imitation, self_imitation_epochs=self_imitation_epochs,
         self_imitation_buffer=self_imitation_buffer, self_imitation_start=self_imitation_start,

@@ -32,3 +32,5 @@ def test_seeds_keep_their_runs_apart():
 def test_keeping_the_best_validated_policy_is_a_variant_of_its_own():
     args = parse_args([*LOGS800, "--validation-episodes", "64", "--seed", "1"])
     assert variant(args) == "-logs800-tau0.3-shaping1-sil1-val64-seed1" and args.validation_episodes == 64
+    guarded = parse_args([*LOGS800, "--validation-episodes", "64", "--validation-keep", "guard"])
+    assert variant(guarded) == "-logs800-tau0.3-shaping1-sil1-val64guard" and guarded.validation_keep == "guard"

@@ -80,7 +80,7 @@ def _env() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "settings", [[], ["--self-imitation", "1"], ["--validation-episodes", "6"]],
+    "settings", [[], ["--self-imitation", "1"], ["--validation-episodes", "6", "--validation-keep", "guard"]],
     ids=["ppo", "self-imitation", "validation"],
 )
 def test_a_killed_run_resumes_to_the_same_parameters_as_an_uninterrupted_one(tiny, tmp_path, settings):
@@ -176,6 +176,7 @@ def _invoke(*args: str):
         (["--tau", "0"], "--tau must be > 0"),
         (["--subgoal-shaping", "-1"], "subgoal_shaping must be >= 0"),
         (["--self-imitation", "-1"], "self_imitation must be >= 0"),
+        (["--validation-keep", "worst"], "validation_keep must be one of best, guard, got 'worst'"),
     ],
 )
 def test_bad_flags_are_one_line_errors(tiny, tmp_path, extra, message):
@@ -217,10 +218,11 @@ def test_the_command_line_passes_threads_learning_rates_and_the_policy_settings_
                      "--torch-threads", "2", "--value-learning-rate", "1e-3", "--subgoal-shaping", "0.5",
                      "--self-imitation", "0.25", "--self-imitation-epochs", "0.5",
                      "--self-imitation-buffer", "64", "--self-imitation-start", "16",
-                     "--validation-episodes", "3", "--validation-seed", "7")
+                     "--validation-episodes", "3", "--validation-seed", "7", "--validation-keep", "guard")
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "ft" / "policy.json").read_text())["config"]
     assert config["validation_episodes"] == 3 and config["validation_seed"] == 7
+    assert config["validation_keep"] == "guard"
     assert config["torch_threads"] == 2 and config["value_learning_rate"] == 1e-3 and config["learning_rate"] == 3e-3
     assert config["subgoal_shaping"] == 0.5 and config["self_imitation"] == 0.25
     assert config["self_imitation_epochs"] == 0.5 and config["self_imitation_buffer"] == 64

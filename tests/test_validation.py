@@ -1,4 +1,4 @@
-"""Keeping the best-validated policy of a fine-tuning run (offline_agent/online/validation.py)."""
+"""Keeping a validated policy of a fine-tuning run (offline_agent/online/validation.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 from offline_agent.learn.policy import Policy, candidate_texts
 from offline_agent.online.finetune import finetune
 from offline_agent.online.ppo import METRICS, PPOConfig
-from offline_agent.online.validation import PolicySelector, improves
+from offline_agent.online.validation import PolicySelector, bar_to_keep, improves
 
 WIDGET = "online_envs:make_widget"
 
@@ -50,6 +50,32 @@ def test_a_policy_replaces_the_kept_one_when_it_does_at_least_as_well():
     assert not improves(4, 5)
 
 
+def test_the_bar_is_the_kept_policys_score_or_the_offline_policys():
+    assert bar_to_keep("best", kept_successes=9, offline_successes=5) == 9
+    assert bar_to_keep("guard", kept_successes=9, offline_successes=5) == 5
+    for keep in ("best", "guard"):  # the offline policy itself, validated first, is kept whatever it scores
+        assert bar_to_keep(keep, kept_successes=-1, offline_successes=None) == -1
+
+
+@pytest.mark.parametrize(("keep", "kept"), [("best", 1), ("guard", 2)])
+def test_best_keeps_the_top_score_and_guard_the_latest_that_matches_the_offline_one(tiny, keep, kept):
+    reference = tiny["reference"]
+    selector = PolicySelector(reference, WIDGET, episodes=4, keep=keep)
+    # The offline policy drops the table (0 of 4), the first iteration repairs (4 of 4), the second drops again.
+    for iteration, action in enumerate((online_envs.DROP, online_envs.REPAIR, online_envs.DROP)):
+        selector.consider(iteration, seeker(reference, action))
+    assert [s for _, s in selector.history] == [0, 4, 0]
+    assert selector.kept_iteration == kept and selector.describe()["keep"] == keep
+    # guard keeps the second iteration's drop: it does as well as the offline policy, which is all it asks.
+    kept_action = {1: online_envs.REPAIR, 2: online_envs.DROP}[kept]
+    assert torch.equal(selector.kept_head.target, seeker(reference, kept_action).target)
+
+
+def test_an_unknown_rule_is_refused(tiny):
+    with pytest.raises(ValueError, match="keep must be one of best, guard, got 'worst'"):
+        PolicySelector(tiny["reference"], WIDGET, episodes=4, keep="worst")
+
+
 def test_a_worse_policy_is_validated_but_not_kept(tiny):
     reference = tiny["reference"]
     repairer, dropper = seeker(reference, online_envs.REPAIR), seeker(reference, online_envs.DROP)
@@ -65,7 +91,7 @@ def test_a_worse_policy_is_validated_but_not_kept(tiny):
     assert torch.equal(selector.kept_head.target, repairer.target)
     assert selector.consider(2, seeker(reference, online_envs.REPAIR))["validation/kept_iteration"] == 2.0
     assert selector.describe() == {
-        "episodes": 6, "seed": 2000, "kept_iteration": 2, "kept_success_rate": 1.0, "env_steps": 18,
+        "episodes": 6, "seed": 2000, "keep": "best", "kept_iteration": 2, "kept_success_rate": 1.0, "env_steps": 18,
         "history": [{"iteration": 0, "success_rate": 1.0}, {"iteration": 1, "success_rate": 0.0},
                     {"iteration": 2, "success_rate": 1.0}],
     }
@@ -94,10 +120,10 @@ def test_the_selection_survives_a_save_and_load(tiny):
 
 
 def test_a_validated_run_trains_as_before_and_keeps_the_best_policy(tiny, tmp_path):
-    def run(out, iterations, validation):
+    def run(out, iterations, validation, keep="best"):
         config = PPOConfig(
             iterations=iterations, num_envs=2, num_steps=16, vector="sync", beta=0.01, learning_rate=3e-3,
-            validation_episodes=validation,
+            validation_episodes=validation, validation_keep=keep,
         )
         finetune(tiny["run"], WIDGET, out, config)
         return pl.read_parquet(out / "metrics.parquet")
@@ -118,6 +144,17 @@ def test_a_validated_run_trains_as_before_and_keeps_the_best_policy(tiny, tmp_pa
     # The saved weights are those of the policy after `kept` iterations: a run cut there ends with them.
     assert kept > 0 and rates[kept] > rates[0]  # the random offline policy mostly fails
     assert (tmp_path / "validated" / "curves.png").stat().st_size > 10_000
+
+    # guard, on the same validation episodes, keeps the latest policy that matches the offline one's score:
+    # here the last one, so it saves exactly what the unvalidated run saves.
+    guarded = run(tmp_path / "guarded", 6, 12, keep="guard")
+    assert guarded.select(training).equals(validated.select(training))
+    guard = json.loads((tmp_path / "guarded" / "finetune.json").read_text())["validation"]
+    assert [h["success_rate"] for h in guard["history"]] == rates
+    assert guard["keep"] == "guard" and guard["kept_iteration"] == max(i for i, r in enumerate(rates) if r >= rates[0])
+    assert guard["kept_iteration"] == 6, rates
+    saved, last = (load_file(str(tmp_path / name / "policy.safetensors")) for name in ("guarded", "plain"))
+    assert saved.keys() == last.keys() and all(torch.equal(saved[k], last[k]) for k in saved)
 
 
 def test_a_run_whose_training_goes_wrong_keeps_its_last_good_policy(tiny, tmp_path):

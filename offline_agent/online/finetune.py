@@ -6,9 +6,10 @@ The run folder RUN2 holds
                                       `Policy.load(RUN2)` and `offline-agent evaluate RUN2` read it as they read
                                       RUN; policy.json also keeps the safety rules ("safety") it was tuned under
                                       and the temperature ("tau", `--tau` or RUN's) it was tuned at. With
-                                      `--validation-episodes N` it is the kept policy: the one (the offline
-                                      policy or an iteration's) with the best greedy success on N held-out
-                                      episodes (`validation.py`; policy.json's "validation" says which)
+                                      `--validation-episodes N` it is the kept policy: the offline policy or an
+                                      iteration's, chosen by its greedy success on N held-out episodes and the
+                                      rule `--validation-keep` (`validation.py`; policy.json's "validation"
+                                      says which)
     metrics.parquet                   one row per iteration (names in `ppo.METRICS`), readable with DuckDB
     curves.png                        success rate, return, KL and beta against iterations
     resume.safetensors                the resume state (below); written every `config.checkpoint_every` iterations
@@ -141,7 +142,8 @@ def finetune(
         selector = None
         if config.validation_episodes:
             selector = PolicySelector(
-                reference, env, config.validation_episodes, config.validation_seed, safety_filter.specs
+                reference, env, config.validation_episodes, config.validation_seed, safety_filter.specs,
+                keep=config.validation_keep,
             )
         try:
             if resume:

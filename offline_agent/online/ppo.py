@@ -247,7 +247,7 @@ from offline_agent.online.kl import (
 )
 from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter, add_blocked
 from offline_agent.online.self_imitation import Step, SuccessBuffer, self_imitation_loss
-from offline_agent.online.validation import VALIDATION_SEED
+from offline_agent.online.validation import KEEP_RULES, VALIDATION_SEED
 from offline_agent.online.vector import VectorMode, make_vector_env
 
 #: Metric names of one iteration (a stable contract; `safety/blocked/<rule>` columns are added per rule).
@@ -366,8 +366,13 @@ class PPOConfig:
     )
     validation_episodes: int = field(
         default=0,
-        metadata={"help": "keep the policy with the best greedy success on this many held-out validation episodes "
-                  "(the offline policy, then each iteration's; see validation.py) instead of the last; 0 = off"},
+        metadata={"help": "play the offline policy, then each iteration's, greedily on this many held-out "
+                  "validation episodes and keep one by `validation_keep` instead of the last; 0 = off"},
+    )
+    validation_keep: Literal["best", "guard"] = field(
+        default="best",
+        metadata={"help": "best: the most validation successes; guard: the latest policy with at least the offline "
+                  "policy's, the offline one until then (validation.py)"},
     )
     validation_seed: int = field(
         default=VALIDATION_SEED, metadata={"help": "seed of the validation episodes (episode i: episode_seed(seed, i))"}
@@ -425,6 +430,8 @@ class PPOConfig:
                      "validation_episodes"):
             if not getattr(self, name) >= 0:
                 raise UserError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.validation_keep not in KEEP_RULES:
+            raise UserError(f"validation_keep must be one of {', '.join(KEEP_RULES)}, got {self.validation_keep!r}")
         if self.value_init not in ("critic", "zero"):
             raise UserError(f"value_init must be critic or zero, got {self.value_init!r}")
         if self.vector not in ("auto", "sync", "process"):
