@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.online import parse_args, runs_folder, variant
+import polars as pl
+
+from benchmarks.online import first_validated, parse_args, runs_folder, variant
 
 LOGS800 = ["--logs", "800", "--tau", "0.3", "--subgoal-shaping", "1", "--self-imitation", "1"]
 
@@ -34,3 +36,14 @@ def test_keeping_the_best_validated_policy_is_a_variant_of_its_own():
     assert variant(args) == "-logs800-tau0.3-shaping1-sil1-val64-seed1" and args.validation_episodes == 64
     guarded = parse_args([*LOGS800, "--validation-episodes", "64", "--validation-keep", "guard"])
     assert variant(guarded) == "-logs800-tau0.3-shaping1-sil1-val64guard" and guarded.validation_keep == "guard"
+
+
+def test_steps_to_95_percent_on_validation_count_the_validation_episodes_apart():
+    metrics = pl.DataFrame({
+        "iteration": [1, 2, 3, 4],
+        "env_steps": [512, 1024, 1536, 2048],
+        "validation/success_rate": [0.5, 0.9375, 0.953125, 0.5],  # 61 of 64 is the first at 95% or more
+        "validation/env_steps": [3905.0, 6005.0, 7726.0, 9479.0],
+    })
+    assert first_validated(metrics) == "1,536 (+7,726)"
+    assert first_validated(metrics, threshold=0.99) == "not reached"
