@@ -75,12 +75,13 @@ BENCHMARKS = [
                                                               "--no-scratch", "--threads", "1", "--dip-iterations",
                                                               "1", "2"]),
     # Guarded by 64 validation episodes (the offline policy until an iteration validates as well, then the
-    # latest that does), with fine-tuning seed 1.
+    # latest that does), with fine-tuning seeds 1 and 2.
     *(
-        (f"online_logs800_tau{tau.replace('.', '')}_shaping1_sil1_val64guard_seed1", "online.py",
+        (f"online_logs800_tau{tau.replace('.', '')}_shaping1_sil1_val64guard_seed{seed}", "online.py",
          ["--sims", sim, "--logs", "800", "--cql-steps", "2000", "--tau", tau, "--subgoal-shaping", "1",
           "--self-imitation", "1", "--validation-episodes", "64", "--validation-keep", "guard", "--no-scratch",
-          "--threads", "1", "--dip-iterations", "1", "2", "--seed", "1"])
+          "--threads", "1", "--dip-iterations", "1", "2", "--seed", str(seed)])
+        for seed in (1, 2)
         for sim, tau in (("support", "0.5"), ("logistics", "0.3"))
     ),
 ]
