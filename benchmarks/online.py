@@ -124,8 +124,9 @@ def first_reaching(metrics, threshold: float = 0.95, min_episodes: int = 10) -> 
 
 def first_validated(metrics, threshold: float = 0.95) -> str:
     """Env steps, training and (in brackets) validation, spent until the first iteration whose greedy policy
-    succeeded on `threshold` of the validation episodes; those are the same episodes every iteration, so
-    this greedy measure is steadier than `first_reaching`'s sampled one."""
+    succeeded on `threshold` of the validation episodes. It measures the policy a team would deploy (greedy,
+    on the same episodes every iteration) where `first_reaching` measures the sampled one; it is still one
+    score of N episodes, so a lucky iteration can reach it before the policy is there to stay."""
     reached = metrics.filter(metrics["validation/success_rate"] >= threshold)
     if reached.is_empty():
         return "not reached"
@@ -379,8 +380,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--self-imitation-start", type=int, default=PPOConfig.self_imitation_start,
                         help="steps of successful episodes collected before self-imitation begins")
     parser.add_argument("--validation-episodes", type=int, default=0,
-                        help="fine-tuning keeps the policy (offline or an iteration's) with the best greedy success "
-                        "on this many held-out validation episodes instead of the last (0 = the last)")
+                        help="fine-tuning plays the offline policy and each iteration's greedily on this many "
+                        "held-out validation episodes and keeps one by --validation-keep instead of the last (0 = the "
+                        "last)")
     parser.add_argument("--validation-keep", choices=KEEP_RULES, default=PPOConfig.validation_keep,
                         help="which validated policy fine-tuning keeps: best (the most successes) or guard (the "
                         "latest with at least the offline policy's)")
