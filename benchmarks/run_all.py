@@ -18,6 +18,23 @@ HERE = Path(__file__).resolve().parent
 README = HERE.parent / "README.md"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
+#: Each simulator's temperature for fine-tuning from the 800-episode starts (README order).
+LOGS800_TAU = {"support": "0.5", "logistics": "0.3"}
+
+
+def logs800(sim: str, suffix: str = "", *extra: str) -> tuple[str, str, list[str]]:
+    """The benchmark entry of one simulator fine-tuned from its 800-episode start with sub-goal shaping and
+    self-imitation, at its temperature, plus `extra` arguments; `suffix` ends the result name as
+    `benchmarks/online.py` names the variant."""
+    tau = LOGS800_TAU[sim]
+    return (
+        f"online_logs800_tau{tau.replace('.', '')}_shaping1_sil1{suffix}",
+        "online.py",
+        ["--sims", sim, "--logs", "800", "--cql-steps", "2000", "--tau", tau, "--subgoal-shaping", "1",
+         "--self-imitation", "1", *extra, "--no-scratch", "--threads", "1", "--dip-iterations", "1", "2"],
+    )
+
+
 #: (result name, script, extra arguments) in README order.
 BENCHMARKS = [
     ("ingest", "ingest.py", []),
@@ -55,34 +72,16 @@ BENCHMARKS = [
                                                         "2000", "--tau", "0.3", "--subgoal-shaping", "1",
                                                         "--self-imitation", "1", "--no-scratch", "--threads", "1"]),
     # The same settings from starts on 800 logged episodes (CQL 2,000 steps); early dip after 1 and 2 iterations.
-    ("online_logs800_tau05_shaping1_sil1", "online.py", ["--sims", "support", "--logs", "800", "--cql-steps", "2000",
-                                                        "--tau", "0.5", "--subgoal-shaping", "1", "--self-imitation",
-                                                        "1", "--no-scratch", "--threads", "1", "--dip-iterations",
-                                                        "1", "2"]),
-    ("online_logs800_tau03_shaping1_sil1", "online.py", ["--sims", "logistics", "--logs", "800", "--cql-steps",
-                                                        "2000", "--tau", "0.3", "--subgoal-shaping", "1",
-                                                        "--self-imitation", "1", "--no-scratch", "--threads", "1",
-                                                        "--dip-iterations", "1", "2"]),
+    *(logs800(sim) for sim in LOGS800_TAU),
     # The same, keeping the best policy on 64 validation episodes instead of the last.
-    ("online_logs800_tau05_shaping1_sil1_val64", "online.py", ["--sims", "support", "--logs", "800", "--cql-steps",
-                                                              "2000", "--tau", "0.5", "--subgoal-shaping", "1",
-                                                              "--self-imitation", "1", "--validation-episodes", "64",
-                                                              "--no-scratch", "--threads", "1", "--dip-iterations",
-                                                              "1", "2"]),
-    ("online_logs800_tau03_shaping1_sil1_val64", "online.py", ["--sims", "logistics", "--logs", "800", "--cql-steps",
-                                                              "2000", "--tau", "0.3", "--subgoal-shaping", "1",
-                                                              "--self-imitation", "1", "--validation-episodes", "64",
-                                                              "--no-scratch", "--threads", "1", "--dip-iterations",
-                                                              "1", "2"]),
+    *(logs800(sim, "_val64", "--validation-episodes", "64") for sim in LOGS800_TAU),
     # Guarded by 64 validation episodes (the offline policy until an iteration validates as well, then the
     # latest that does), with fine-tuning seeds 1 and 2.
     *(
-        (f"online_logs800_tau{tau.replace('.', '')}_shaping1_sil1_val64guard_seed{seed}", "online.py",
-         ["--sims", sim, "--logs", "800", "--cql-steps", "2000", "--tau", tau, "--subgoal-shaping", "1",
-          "--self-imitation", "1", "--validation-episodes", "64", "--validation-keep", "guard", "--no-scratch",
-          "--threads", "1", "--dip-iterations", "1", "2", "--seed", str(seed)])
+        logs800(sim, f"_val64guard_seed{seed}", "--validation-episodes", "64", "--validation-keep", "guard",
+                "--seed", str(seed))
         for seed in (1, 2)
-        for sim, tau in (("support", "0.5"), ("logistics", "0.3"))
+        for sim in LOGS800_TAU
     ),
 ]
 
