@@ -86,12 +86,16 @@ def transformer_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def layer_mask(model: nn.Module, attention_mask: torch.Tensor, hidden: torch.Tensor) -> Any:
-    """The attention mask in the form the model's layers take (it depends on the attention implementation)."""
-    create = getattr(model, "_create_attention_masks", None)
-    if create is not None:
-        return create(attention_mask, None, hidden, None, None)[0]
-    from transformers.masking_utils import create_bidirectional_mask
+    """The attention mask in the form the model's layers take (it depends on the attention implementation).
 
+    Uses transformers' public mask builder, the one an encoder's own forward calls, and not the model's private
+    helper, whose signature changes between releases (5.25 added `position_ids`). Releases before the builder
+    existed (4.x) take the additive mask of `get_extended_attention_mask`.
+    """
+    try:
+        from transformers.masking_utils import create_bidirectional_mask
+    except ImportError:
+        return model.get_extended_attention_mask(attention_mask, attention_mask.shape)
     return create_bidirectional_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask)
 
 
