@@ -271,6 +271,10 @@ def embed_command(
         None, "--encoder", help="local transformers model folder (default: the packaged all-MiniLM-L6-v2)"
     ),
     k: int = typer.Option(3, "--k", min=0, help="previous (observation, action) turns in each state text"),
+    keep_opening: bool = typer.Option(
+        False, "--keep-opening", help="each state text also keeps its episode's first turn (the user's request) "
+        "after it has left the last k"
+    ),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="texts per encoder forward pass"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
 ) -> None:
@@ -280,7 +284,9 @@ def embed_command(
 
     ds = TrajectoryDataset.open(dataset)
     text_encoder = TextEncoder(encoder, device=device, batch_size=batch_size)
-    texts = dataset_texts(ds, k=k, max_tokens=text_encoder.max_length, count_tokens=text_encoder.count_tokens)
+    texts = dataset_texts(
+        ds, k=k, max_tokens=text_encoder.max_length, count_tokens=text_encoder.count_tokens, keep_opening=keep_opening
+    )
     cache = EmbeddingCache(ds.path / CACHE_DIRNAME, text_encoder)
     cache.embed([*texts.states, *texts.actions, *texts.candidates], progress=sys.stderr.isatty())
     console.print(
@@ -474,6 +480,10 @@ def train_command(
     alpha: float | None = typer.Option(None, "--alpha", help="CQL conservative weight [default: 1.0]"),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: packaged MiniLM]"),
     k: int | None = typer.Option(None, "--k", help="previous turns in the state text [default: 3]"),
+    keep_opening: bool = typer.Option(
+        False, "--keep-opening", help="each state text also keeps its episode's first turn (the user's request) "
+        "after it has left the last k"
+    ),
     cal_ql: bool = typer.Option(
         True, "--cal-ql/--no-cal-ql", help="CQL: floor pushed-down values at the MC return (Cal-QL)"
     ),
@@ -513,7 +523,8 @@ def train_command(
         settings["grounding"] = False
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
-        encoder=encoder, k=k, overwrite=overwrite, progress=sys.stderr.isatty(), settings=settings,
+        encoder=encoder, k=k, keep_opening=keep_opening, overwrite=overwrite, progress=sys.stderr.isatty(),
+        settings=settings,
     )
     final = ", ".join(f"{name} {value:.4f}" for name, value in result.final_metrics.items() if name != "step")
     console.print(

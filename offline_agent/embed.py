@@ -305,6 +305,7 @@ def render_state(
     k: int = DEFAULT_K,
     max_tokens: int | None = None,
     count_tokens: Callable[[str], int] | None = None,
+    keep_opening: bool = False,
 ) -> str:
     """State text of a decision: the task, the last `k` (observation, action) turns, the current observation.
 
@@ -319,19 +320,31 @@ def render_state(
     `TextEncoder.count_tokens` and its `max_length`), a text that is too long loses its oldest turns
     first, because an encoder truncates from the end and would otherwise cut the current observation;
     with no turns left, the task is cut to half the budget and the observation to what remains, both
-    keeping their start. The same arguments always give the same text: `offline-agent embed` renders
+    keeping their start.
+
+    With `keep_opening`, the episode's first turn stays in the text after it has left the last k: in
+    many logs the task is a system prompt and what the user wants is only in the first observation
+    ("I was charged twice and my package never arrived"), which a window of the last few turns loses
+    within a few steps. Over budget, the opening is dropped after every other earlier turn.
+
+    The same arguments always give the same text: `offline-agent embed` renders
     with `max_tokens=encoder.max_length, count_tokens=encoder.count_tokens`, and decision-time states
     rendered the same way hit the embeddings of the logged ones.
     """
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
-    turns = list(turns)[-k:] if k else []
-    text = _render(task, turns, observation)
+    turns = turns if isinstance(turns, list | tuple) else list(turns)  # a whole episode's turns: no copy
+    recent = list(turns[-k:]) if k else []
+    opening = list(turns[:1]) if keep_opening and len(turns) > len(recent) else []
+    text = _render(task, opening + recent, observation)
     if max_tokens is None or count_tokens is None:
         return text
-    while turns and count_tokens(text) > max_tokens:
-        turns = turns[1:]
-        text = _render(task, turns, observation)
+    while (opening or recent) and count_tokens(text) > max_tokens:
+        if recent:
+            recent = recent[1:]
+        else:
+            opening = []
+        text = _render(task, opening + recent, observation)
     if count_tokens(text) <= max_tokens:
         return text
 
@@ -365,9 +378,10 @@ def dataset_texts(
     k: int = DEFAULT_K,
     max_tokens: int | None = None,
     count_tokens: Callable[[str], int] | None = None,
+    keep_opening: bool = False,
 ) -> DatasetTexts:
-    """Render the state of every step (its episode's task + the previous k turns + its observation) with
-    `render_state`, and collect the action and candidate texts."""
+    """Render the state of every step (its episode's task + the previous k turns, and with `keep_opening` its
+    first turn, + its observation) with `render_state`, and collect the action and candidate texts."""
     from offline_agent.dataset import TrajectoryDataset
 
     if not isinstance(ds, TrajectoryDataset):
@@ -385,9 +399,7 @@ def dataset_texts(
         if episode_id != current:
             current, turns = episode_id, []
         states.append(
-            render_state(
-                task_of.get(episode_id), turns[-k:] if k else [], observation, k, max_tokens, count_tokens
-            )
+            render_state(task_of.get(episode_id), turns, observation, k, max_tokens, count_tokens, keep_opening)
         )
         turns.append((observation, action))
     # Flattening in Arrow skips null lists (steps whose log did not know the candidates).

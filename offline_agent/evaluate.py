@@ -358,7 +358,7 @@ def off_policy_value(
 
     policy = Policy.load(run, encoder=encoder, device=device)
     gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
-    features = build_features(dataset, policy.encoder, k=policy.k)
+    features = build_features(dataset, policy.encoder, k=policy.k, keep_opening=policy.keep_opening)
     config = FQEConfig(steps=steps, gamma=gamma, seed=seed, device=device, split=split, tau=policy.tau)
     result = fitted_q_evaluation(features, policy.network, config)
     if not math.isfinite(result.value):

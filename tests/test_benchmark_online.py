@@ -38,6 +38,16 @@ def test_keeping_the_best_validated_policy_is_a_variant_of_its_own():
     assert variant(guarded) == "-logs800-tau0.3-shaping1-sil1-val64guard" and guarded.validation_keep == "guard"
 
 
+def test_an_offline_stage_that_keeps_the_opening_turn_is_a_variant_of_its_own(tmp_path):
+    from benchmarks.online import offline_folder
+
+    args = parse_args([*LOGS800, "--keep-opening", "--validation-episodes", "64", "--validation-keep", "guard"])
+    assert variant(args) == "-logs800-opening-tau0.3-shaping1-sil1-val64guard" and args.keep_opening
+    assert runs_folder(tmp_path, "support", args) != runs_folder(tmp_path, "support", parse_args(LOGS800))
+    # Both CQL starts train on the same simulated logs: one data folder, the opening run beside the plain one.
+    assert offline_folder(tmp_path, "support", 800) == tmp_path / "support-logs800"
+
+
 def test_steps_to_95_percent_on_validation_count_the_validation_episodes_apart():
     metrics = pl.DataFrame({
         "iteration": [1, 2, 3, 4],

@@ -389,17 +389,21 @@ def test_a_checkpoint_from_another_encoder_is_refused(tmp_path):
         Policy.load(tmp_path)
 
 
-def test_the_policy_renders_states_as_the_training_data_did():
+@pytest.mark.parametrize("k, keep_opening", [(2, False), (1, True)])
+def test_the_policy_renders_states_as_the_training_data_did(k, keep_opening):
     """The state text a Policy builds while playing is the text dataset_texts rendered from the logs."""
     from offline_agent.embed import dataset_texts
     from offline_agent.envs.loading import make_env
     from offline_agent.envs.policies import make_policy
     from offline_agent.simulate import episode_seed
 
-    logged = dataset_texts(learn_data.color_lock_dataset(), k=2).states
+    logged = dataset_texts(learn_data.color_lock_dataset(), k=k, keep_opening=keep_opening).states
+    if keep_opening:  # the setting changes the texts (the third step's shows its first turn)
+        assert set(logged) != set(dataset_texts(learn_data.color_lock_dataset(), k=k).states)
     env = make_env(SPEC)
     behaviour = make_policy(learn_data.BEHAVIOUR, 0)
-    policy = Policy(QNetwork(learn_data.encoder().dim, 8), learn_data.encoder(), {"k": 2, "max_tokens": None})
+    meta = {"k": k, "max_tokens": None, "keep_opening": keep_opening}
+    policy = Policy(QNetwork(learn_data.encoder().dim, 8), learn_data.encoder(), meta)
     obs, info = env.reset(seed=episode_seed(0, 0))
     policy.reset(info["task"])
     rendered = []

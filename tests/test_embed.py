@@ -144,6 +144,34 @@ def test_render_state_with_no_turns_left_keeps_the_start_of_the_observation():
     assert text == render_state(task, [("old", "act")], observation, max_tokens=40, count_tokens=words)
 
 
+def test_keep_opening_pins_the_first_turn_once_it_leaves_the_window():
+    turns = [("o0", "a0"), ("o1", "a1"), ("o2", "a2"), ("o3", "a3")]
+    assert render_state("t", turns, "o4", k=2, keep_opening=True) == (
+        "Task: t\n[obs] o0\n[act] a0\n[obs] o2\n[act] a2\n[obs] o3\n[act] a3\n[obs] o4"
+    )
+    # While the first turn is still among the last k, the text is the plain one: no turn twice.
+    assert render_state("t", turns[:2], "o2", k=2, keep_opening=True) == render_state("t", turns[:2], "o2", k=2)
+    assert render_state("t", turns, "o4", k=0, keep_opening=True) == "Task: t\n[obs] o0\n[act] a0\n[obs] o4"
+    assert render_state("t", [], "o0", k=0, keep_opening=True) == "Task: t\n[obs] o0"
+    # Any sequence of turns, not only a list.
+    assert render_state("t", iter(turns), "o4", k=2, keep_opening=True) == render_state(
+        "t", turns, "o4", k=2, keep_opening=True
+    )
+
+
+def test_over_budget_the_opening_goes_after_every_other_earlier_turn():
+    turns = [("hi I need help", "ask"), ("four five", "six"), ("seven", "eight")]
+    full = render_state("do it", turns, "now", k=2, keep_opening=True)
+    assert words(full) == 3 + (5 + 2) + (3 + 2) + (2 + 2) + 2  # 21
+    assert render_state("do it", turns, "now", k=2, max_tokens=21, count_tokens=words, keep_opening=True) == full
+    cut = render_state("do it", turns, "now", k=2, max_tokens=20, count_tokens=words, keep_opening=True)
+    assert cut == "Task: do it\n[obs] hi I need help\n[act] ask\n[obs] seven\n[act] eight\n[obs] now"
+    cut = render_state("do it", turns, "now", k=2, max_tokens=15, count_tokens=words, keep_opening=True)
+    assert cut == "Task: do it\n[obs] hi I need help\n[act] ask\n[obs] now"  # 12 words
+    cut = render_state("do it", turns, "now", k=2, max_tokens=11, count_tokens=words, keep_opening=True)
+    assert cut == "Task: do it\n[obs] now"
+
+
 def test_render_state_fits_the_real_tokenizer(encoder):
     long_turns = [(f"output line {i} " * 60, '{"name":"run","arguments":{"cmd":"make"}}') for i in range(3)]
     current = "FAILED tests/test_io.py::test_read - " + "AssertionError: expected 3 rows " * 80
@@ -238,6 +266,23 @@ def test_dataset_texts_renders_each_step_from_its_own_episode(tmp_path):
         assert texts.states[i].count("[act]") == step  # only the turns of its own episode
         assert texts.states[i].endswith(f"[obs] {steps['observation'][i]}")
     assert texts.candidates == sorted(['{"name":"load","arguments":{"table":"orders"}}', "give up"])
+
+
+def test_dataset_texts_keep_opening_shows_each_episode_its_own_first_turn(tmp_path):
+    from offline_agent.dataset import TrajectoryDataset
+
+    ds = TrajectoryDataset.open(_tiny_dataset(tmp_path))
+    steps = ds.steps_table().to_pydict()
+    plain, kept = dataset_texts(ds, k=0), dataset_texts(ds, k=0, keep_opening=True)
+    first = {}
+    for i, (episode_id, step) in enumerate(zip(steps["episode_id"], steps["step"], strict=True)):
+        first.setdefault(episode_id, (steps["observation"][i], steps["action"][i]))
+        if step == 0:
+            assert kept.states[i] == plain.states[i]
+        else:
+            obs, act = first[episode_id]
+            assert f"[obs] {obs}\n[act] {act}\n" in kept.states[i] and kept.states[i].count("[act]") == 1
+    assert any(step > 0 for step in steps["step"])  # the dataset has a state that shows the difference
 
 
 def test_embed_verb_twice_encodes_nothing_the_second_time(tmp_path):

@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from offline_agent.cli import app
 from offline_agent.evaluate import EpisodeOutcome, recovery_lengths, summarize, wilson_interval
 from offline_agent.learn.grounding import GROUNDING_FEATURES
+from offline_agent.learn.policy import Policy
 
 runner = CliRunner()
 
@@ -102,11 +103,14 @@ def test_train_a_grounded_policy_then_evaluate_it_with_fqe(dataset, tmp_path, mo
     run = tmp_path / "run"
     result = runner.invoke(
         app, ["train", str(dataset), "--out", str(run), "--steps", "20", "--batch-size", "16", "--k", "0",
-              "--grounding"],
+              "--grounding", "--keep-opening"],
     )
     assert result.exit_code == 0, result.output
     policy = json.loads((run / "policy.json").read_text())
     assert policy["config"]["grounding"] is True and policy["network"]["pair_dim"] == len(GROUNDING_FEATURES)
+    # The renderer's settings travel with the policy, so that it plays on the states it was trained on.
+    assert (policy["k"], policy["keep_opening"]) == (0, True)
+    assert Policy.load(run).keep_opening is True
     result = runner.invoke(app, ["evaluate", str(run), "--env", SPEC, "--episodes", "2", "--json",
                                  "--dataset", str(dataset), "--fqe-steps", "10"])
     assert result.exit_code == 0, result.output

@@ -63,6 +63,7 @@ class Features:
     k: int
     max_tokens: int | None
     gamma: float
+    keep_opening: bool = False  # the state texts keep each episode's first turn (render_state)
     state_texts: list[str] | None = None  # N: what grounding and encoder tuning read (keep_texts)
     cache_hits: int = 0  # distinct texts found in the embedding cache when these features were built
     cache_misses: int = 0  # distinct texts that had to be encoded
@@ -133,6 +134,7 @@ def build_features(
     cache_root: str | Path | None = None,
     progress: bool = False,
     keep_texts: bool = True,
+    keep_opening: bool = False,
 ) -> Features:
     """Embed a dataset's states and actions (through its embedding cache) and gather its columns as tensors.
 
@@ -153,7 +155,7 @@ def build_features(
         )
     count_tokens = getattr(encoder, "count_tokens", None)
     max_tokens = encoder.max_length if count_tokens is not None else None
-    texts = dataset_texts(ds, k, max_tokens, count_tokens)
+    texts = dataset_texts(ds, k, max_tokens, count_tokens, keep_opening)
     cols = steps.select(["episode_id", "step", "reward", "return_to_go", "terminated"]).to_pydict()
     actions = steps.column("action").to_pylist()
     vocab = sorted(set(actions) | set(texts.candidates))
@@ -193,6 +195,7 @@ def build_features(
         k=k,
         max_tokens=max_tokens,
         gamma=ds.gamma,
+        keep_opening=keep_opening,
         state_texts=texts.states if keep_texts else None,
         cache_hits=cache.hits,
         cache_misses=cache.misses,

@@ -68,7 +68,7 @@ def save_checkpoint(
 ) -> Path:
     """Write `policy.safetensors` and `policy.json` into `run_dir` atomically; returns the JSON's path.
 
-    `meta` holds at least algo, encoder {id, path, dim, max_length}, k, max_tokens and tau.
+    `meta` holds at least algo, encoder {id, path, dim, max_length}, k, max_tokens and tau (and keep_opening).
     `encoder_layers` (a tuned encoder's top layers, `meta["encoder"]["tuned"]` says on which base) go to
     `encoder.safetensors`, written before the JSON like the network's weights.
     """
@@ -207,6 +207,7 @@ class Policy:
         self.tau = float(meta.get("tau", 1.0))
         self.k = int(meta.get("k", 3))
         self.max_tokens = meta.get("max_tokens")
+        self.keep_opening = bool(meta.get("keep_opening", False))  # policies saved before it existed: False
         self.greedy = greedy
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
@@ -253,7 +254,9 @@ class Policy:
         from offline_agent.embed import render_state
 
         count = getattr(self.encoder, "count_tokens", None) if self.max_tokens is not None else None
-        return render_state(history.task, history.turns, observation_text, self.k, self.max_tokens, count)
+        return render_state(
+            history.task, history.turns, observation_text, self.k, self.max_tokens, count, self.keep_opening
+        )
 
     # --- scoring -----------------------------------------------------------------------------------
 

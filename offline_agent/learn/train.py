@@ -109,6 +109,7 @@ def train(
     alpha: float | None = None,
     encoder: Any = None,
     k: int | None = None,
+    keep_opening: bool = False,
     overwrite: bool = False,
     progress: bool = False,
     settings: dict[str, Any] | None = None,
@@ -133,7 +134,7 @@ def train(
     encoder = load_encoder(encoder, device)
     n_tuned = getattr(config, "tune_encoder_layers", 0)
     if features is None:
-        features = build_features(ds, encoder, k=k, progress=progress)
+        features = build_features(ds, encoder, k=k, progress=progress, keep_opening=keep_opening)
     elif features.encoder_id != encoder.id:
         raise ValueError("features were built with another encoder than the one given")
     tuner = None
@@ -165,6 +166,7 @@ def train(
         "encoder": encoder_meta,
         "k": features.k,
         "max_tokens": features.max_tokens,
+        "keep_opening": features.keep_opening,
         "tau": config.tau,
         "dataset": {"path": str(ds.path), "name": ds.name, "fingerprint": ds.meta.get("fingerprint")},
         "config": asdict(config),
