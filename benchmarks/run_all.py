@@ -22,16 +22,17 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 LOGS800_TAU = {"support": "0.5", "logistics": "0.3"}
 
 
-def logs800(sim: str, suffix: str = "", *extra: str) -> tuple[str, str, list[str]]:
+def logs800(sim: str, suffix: str = "", *extra: str, opening: bool = False) -> tuple[str, str, list[str]]:
     """The benchmark entry of one simulator fine-tuned from its 800-episode start with sub-goal shaping and
     self-imitation, at its temperature, plus `extra` arguments; `suffix` ends the result name as
-    `benchmarks/online.py` names the variant."""
+    `benchmarks/online.py` names the variant. `opening`: the start whose states keep the first turn."""
     tau = LOGS800_TAU[sim]
     return (
-        f"online_logs800_tau{tau.replace('.', '')}_shaping1_sil1{suffix}",
+        f"online_logs800{'_opening' if opening else ''}_tau{tau.replace('.', '')}_shaping1_sil1{suffix}",
         "online.py",
-        ["--sims", sim, "--logs", "800", "--cql-steps", "2000", "--tau", tau, "--subgoal-shaping", "1",
-         "--self-imitation", "1", *extra, "--no-scratch", "--threads", "1", "--dip-iterations", "1", "2"],
+        ["--sims", sim, "--logs", "800", *(["--keep-opening"] if opening else []), "--cql-steps", "2000",
+         "--tau", tau, "--subgoal-shaping", "1", "--self-imitation", "1", *extra, "--no-scratch", "--threads", "1",
+         "--dip-iterations", "1", "2"],
     )
 
 
@@ -82,6 +83,13 @@ BENCHMARKS = [
                 "--seed", str(seed))
         for seed in (1, 2)
         for sim in LOGS800_TAU
+    ),
+    # CustomerSupport guarded the same way from a start whose states keep the ticket's first turn (the customer's
+    # complaint), fine-tuning seeds 0-2.
+    *(
+        logs800("support", "_val64guard" + (f"_seed{seed}" if seed else ""), "--validation-episodes", "64",
+                "--validation-keep", "guard", *(["--seed", str(seed)] if seed else []), opening=True)
+        for seed in (0, 1, 2)
     ),
 ]
 

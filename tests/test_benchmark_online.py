@@ -57,3 +57,14 @@ def test_steps_to_95_percent_on_validation_count_the_validation_episodes_apart()
     })
     assert first_validated(metrics) == "1,536 (+7,726)"
     assert first_validated(metrics, threshold=0.99) == "not reached"
+
+
+def test_every_online_entry_of_make_bench_names_the_result_file_its_run_writes():
+    # run_all splices README from benchmarks/results/<name>.md: a name that differs from the one online.py
+    # derives from the arguments would leave the table out of README.
+    from benchmarks.run_all import BENCHMARKS
+
+    entries = [(name, args) for name, script, args in BENCHMARKS if script == "online.py"]
+    assert len(entries) > 10  # the loop below has entries to check
+    for name, args in entries:
+        assert name == "online" + variant(parse_args(args)).replace("-", "_").replace(".", ""), args
