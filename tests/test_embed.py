@@ -301,6 +301,19 @@ def test_embed_verb_twice_encodes_nothing_the_second_time(tmp_path):
     assert sorted((dataset / "embeddings").rglob("part-*.parquet")) == parts
 
 
+def test_embed_verb_keep_opening_encodes_only_the_states_it_changes(tmp_path):
+    from offline_agent.cli import app
+
+    dataset = _tiny_dataset(tmp_path)
+    runner = CliRunner()
+    assert runner.invoke(app, ["embed", str(dataset), "--k", "0"]).exit_code == 0
+    changed = set(dataset_texts(dataset, k=0, keep_opening=True).states) - set(dataset_texts(dataset, k=0).states)
+    assert changed  # steps after the first show their episode's opening turn
+    result = runner.invoke(app, ["embed", str(dataset), "--k", "0", "--keep-opening"])
+    assert result.exit_code == 0, result.output
+    assert f"{len(changed)} new texts encoded" in result.output
+
+
 def test_embed_verb_bad_encoder_is_a_one_line_error(tmp_path):
     from offline_agent.cli import app
 
