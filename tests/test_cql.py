@@ -458,3 +458,7 @@ def test_train_writes_a_run_folder_and_hits_the_embedding_cache_the_second_time(
     assert names == ["curves.png", "metrics.parquet", "policy.json", "policy.safetensors", "train.json"]
     with pytest.raises(UserError, match=r"already holds a trained policy: choose another --out, or pass --overwrite"):
         train(dataset, "cql", tmp_path / "run", steps=5, encoder=enc, k=0)
+    # Features built by the caller carry their renderer's setting; an argument that disagrees is refused.
+    with pytest.raises(ValueError, match=r"features were built with keep_opening=False, not True"):
+        train(dataset, "cql", tmp_path / "run4", steps=5, encoder=enc, keep_opening=True,
+              features=learn_data.color_lock_features())

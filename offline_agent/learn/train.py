@@ -137,6 +137,9 @@ def train(
         features = build_features(ds, encoder, k=k, progress=progress, keep_opening=keep_opening)
     elif features.encoder_id != encoder.id:
         raise ValueError("features were built with another encoder than the one given")
+    elif features.keep_opening != keep_opening:
+        # The policy renders its states with the features' setting: a differing argument would be ignored.
+        raise ValueError(f"features were built with keep_opening={features.keep_opening}, not {keep_opening}")
     tuner = None
     if n_tuned:
         tuner = EncoderTuner(
