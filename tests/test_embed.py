@@ -153,6 +153,11 @@ def test_keep_opening_pins_the_first_turn_once_it_leaves_the_window():
     assert render_state("t", turns[:2], "o2", k=2, keep_opening=True) == render_state("t", turns[:2], "o2", k=2)
     assert render_state("t", turns, "o4", k=0, keep_opening=True) == "Task: t\n[obs] o0\n[act] a0\n[obs] o4"
     assert render_state("t", [], "o0", k=0, keep_opening=True) == "Task: t\n[obs] o0"
+    # A chat log's task is its first user message: the pinned opening shows it, the task line is left out.
+    chat = [("book a flight", "search()"), ("3 flights", "pick(1)"), ("seat?", "pick(12A)")]
+    assert render_state("book a flight", chat, "booked", k=1, keep_opening=True) == (
+        "[obs] book a flight\n[act] search()\n[obs] seat?\n[act] pick(12A)\n[obs] booked"
+    )
     # Any sequence of turns, not only a list.
     assert render_state("t", iter(turns), "o4", k=2, keep_opening=True) == render_state(
         "t", turns, "o4", k=2, keep_opening=True
