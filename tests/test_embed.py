@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from offline_agent.embed import (
     EmbeddingCache,
     TextEncoder,
+    current_observation,
     dataset_texts,
     default_encoder_path,
     render_state,
@@ -317,6 +318,40 @@ def test_embed_verb_keep_opening_encodes_only_the_states_it_changes(tmp_path):
     result = runner.invoke(app, ["embed", str(dataset), "--k", "0", "--keep-opening"])
     assert result.exit_code == 0, result.output
     assert f"{len(changed)} new texts encoded" in result.output
+
+
+def test_current_observation_is_the_last_obs_block_of_a_state_and_an_action_whole():
+    turns = [("I was charged twice", "lookup()"), ("Found it.\nTwo lines", "refund()")]
+    state = render_state("Help customers", turns, "And what about the other thing?", k=2)
+    assert current_observation(state) == "And what about the other thing?"
+    assert current_observation(render_state(None, [], "hi\nthere", k=2)) == "hi\nthere"
+    assert current_observation(render_state("t", turns, "", k=2)) == ""
+    assert current_observation('close_ticket({"id": 3})') == 'close_ticket({"id": 3})'
+
+
+def test_observation_view_puts_the_current_observation_beside_the_whole_text(encoder):
+    viewed = TextEncoder(observation_view=True)
+    assert (viewed.dim, viewed.id) == (2 * encoder.dim, encoder.id + "-obsview")
+    state = render_state("Help customers", [("I was charged twice", "lookup()")], "Anything else?", k=1)
+    action = '{"name":"close_ticket","arguments":{}}'
+    got = viewed.encode([state, action])
+    whole, focus, act = encoder.encode([state, "Anything else?", action])
+    np.testing.assert_allclose(got[0], np.concatenate([whole, focus]) / np.sqrt(2), atol=1e-6)
+    np.testing.assert_allclose(got[1], np.concatenate([act, act]) / np.sqrt(2), atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    assert not np.allclose(whole, focus, atol=1e-2)  # the second view is not a copy of the first
+
+
+def test_embed_verb_observation_view_fills_a_cache_of_its_own(tmp_path):
+    from offline_agent.cli import app
+
+    dataset = _tiny_dataset(tmp_path)
+    result = CliRunner().invoke(app, ["embed", str(dataset), "--k", "2", "--observation-view"])
+    assert result.exit_code == 0, result.output
+    folder = next((dataset / "embeddings").glob("*-obsview"))
+    part = pq.read_table(sorted(folder.glob("part-*.parquet"))[0])
+    assert str(part.schema.field("vector").type) == "fixed_size_list<element: float>[768]"
+    assert sorted(p.name for p in (dataset / "embeddings").iterdir()) == [folder.name]
 
 
 def test_embed_verb_bad_encoder_is_a_one_line_error(tmp_path):

@@ -122,6 +122,24 @@ def test_train_a_grounded_policy_then_evaluate_it_with_fqe(dataset, tmp_path, mo
     assert json.loads((tmp_path / "plain" / "policy.json").read_text())["network"]["pair_dim"] == 0
 
 
+def test_train_with_the_observation_view_then_evaluate_it_with_the_encoder_folder(dataset, tmp_path):
+    from offline_agent.embed import default_encoder_path
+
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["train", str(dataset), "--out", str(run), "--steps", "10", "--k", "1",
+                                 "--observation-view"])
+    assert result.exit_code == 0, result.output
+    wanted = json.loads((run / "policy.json").read_text())["encoder"]
+    assert (wanted["observation_view"], wanted["dim"], wanted["id"].endswith("-obsview")) == (True, 768, True)
+    policy = Policy.load(run)
+    assert (policy.encoder.observation_view, policy.encoder.id) == (True, wanted["id"])
+    # A model folder given by the user is loaded with the checkpoint's settings, the view included.
+    result = runner.invoke(app, ["evaluate", str(run), "--env", SPEC, "--episodes", "2", "--json",
+                                 "--encoder", default_encoder_path()])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["episodes"] == 2
+
+
 def test_evaluate_prints_a_summary_and_estimates_fqe_on_held_out_logs(dataset, tmp_path):
     run = tmp_path / "run"
     assert runner.invoke(app, ["train", str(dataset), "--out", str(run), "--steps", "10", "--k", "0"]).exit_code == 0
@@ -149,6 +167,8 @@ def test_evaluate_a_behaviour_policy_spec():
          "has no setting tune_encoder_layers"),
         (["train", "{ds}", "--out", "{tmp}/r", "--algo", "d3rlpy-cql", "--no-grounding"], "has no setting grounding"),
         (["train", "{ds}", "--out", "{tmp}/r", "--tune-encoder-layers", "9"], "between 1 and the encoder's 6 layers"),
+        (["train", "{ds}", "--out", "{tmp}/r", "--tune-encoder-layers", "1", "--observation-view"],
+         "--tune-encoder-layers does not combine with --observation-view"),
         (["evaluate", "{tmp}", "--env", SPEC], "holds no policy checkpoint"),
         (["evaluate", "{tmp}"], "evaluate needs --env ENV"),
         (["evaluate", "behaviour:sometimes", "--env", SPEC], "unknown policy 'sometimes'"),

@@ -136,20 +136,29 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Mod
 def encoder_for(
     meta: dict[str, Any], encoder: Any = None, device: str = "cpu", folder: str | Path | None = None
 ) -> Any:
-    """The encoder a checkpoint was trained with: `encoder` if given, else loaded from the recorded path
-    (or the packaged default when that path is absent here), with the checkpoint's tuned top layers (read
-    from `folder`) if it has them. A different encoder id is a UserError."""
+    """The encoder a checkpoint was trained with: `encoder` if given (an encoder, or a model folder loaded
+    with the checkpoint's settings), else loaded from the recorded path (or the packaged default when that
+    path is absent here), with the checkpoint's tuned top layers (read from `folder`) if it has them. A
+    different encoder id is a UserError."""
     wanted = meta.get("encoder")
     if not isinstance(wanted, dict) or "id" not in wanted:
         raise UserError("the checkpoint's policy.json names no encoder (encoder.id): retrain it with this version")
     tuned = wanted.get("tuned")
-    if encoder is None or (tuned and encoder.id == tuned.get("base_id")):
+    if isinstance(encoder, str | Path) or encoder is None or (tuned and encoder.id == tuned.get("base_id")):
         # A tuned policy is given its base encoder (e.g. by `evaluate --encoder`): a copy gets the layers.
         from offline_agent.embed import TextEncoder
 
-        path = wanted.get("path") if encoder is None else encoder.path
-        path = path if path and Path(path).is_dir() else None
-        encoder = TextEncoder(path=path, device=device, max_length=int(wanted.get("max_length", 256)))
+        if encoder is None:
+            path = wanted.get("path")
+            path = path if path and Path(path).is_dir() else None
+        else:
+            path = str(encoder) if isinstance(encoder, str | Path) else encoder.path
+        encoder = TextEncoder(
+            path=path,
+            device=device,
+            max_length=int(wanted.get("max_length") or 256),
+            observation_view=bool(wanted.get("observation_view")),
+        )
         if tuned:
             if folder is None:
                 raise ValueError("a tuned encoder's layers are read from the checkpoint folder: pass `folder`")

@@ -88,12 +88,16 @@ class TrainResult:
         return self.steps / self.seconds if self.seconds > 0 else float("inf")
 
 
-def load_encoder(encoder: Any, device: str) -> Any:
-    """A `TextEncoder` from a path (None = the packaged MiniLM), or `encoder` itself if it is one already."""
+def load_encoder(encoder: Any, device: str, observation_view: bool = False) -> Any:
+    """A `TextEncoder` from a path (None = the packaged MiniLM), or `encoder` itself if it is one already
+    (then its `observation_view` must be the one asked for)."""
     if encoder is None or isinstance(encoder, str | Path):
         from offline_agent.embed import TextEncoder
 
-        return TextEncoder(path=None if encoder is None else str(encoder), device=device)
+        path = None if encoder is None else str(encoder)
+        return TextEncoder(path=path, device=device, observation_view=observation_view)
+    if getattr(encoder, "observation_view", False) != observation_view:
+        raise ValueError(f"the encoder given has observation_view={not observation_view}, not {observation_view}")
     return encoder
 
 
@@ -110,6 +114,7 @@ def train(
     encoder: Any = None,
     k: int | None = None,
     keep_opening: bool = False,
+    observation_view: bool = False,
     overwrite: bool = False,
     progress: bool = False,
     settings: dict[str, Any] | None = None,
@@ -118,7 +123,8 @@ def train(
     """Train `algo` on `dataset` and write the run folder `out` (see the module docstring).
 
     `settings` passes any other field of the algorithm's config (e.g. {"cal_ql": True}); `features`
-    skips embedding when the caller already built them (benchmarks).
+    skips embedding when the caller already built them (benchmarks). `observation_view` embeds each state's
+    current observation as a second view (`TextEncoder`), recorded in policy.json with the encoder.
     """
     from offline_agent.dataset import TrajectoryDataset
 
@@ -131,8 +137,11 @@ def train(
     out = Path(out)
     if (out / CONFIG_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a trained policy: choose another --out, or pass --overwrite")
-    encoder = load_encoder(encoder, device)
+    encoder = load_encoder(encoder, device, observation_view)
     n_tuned = getattr(config, "tune_encoder_layers", 0)
+    if n_tuned and observation_view:
+        # The tuner pools the model's own output into one view; it has no second view to train through.
+        raise UserError("--tune-encoder-layers does not combine with --observation-view: drop one of them")
     if features is None:
         features = build_features(ds, encoder, k=k, progress=progress, keep_opening=keep_opening)
     elif features.encoder_id != encoder.id:
@@ -159,6 +168,7 @@ def train(
         "path": getattr(encoder, "path", None),
         "dim": encoder.dim,
         "max_length": getattr(encoder, "max_length", None),
+        "observation_view": observation_view,
     }
     tuning = tuner.describe() if tuner is not None else None
     if tuning is not None:

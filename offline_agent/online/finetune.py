@@ -109,11 +109,6 @@ def finetune(
     if not resume and not overwrite and (state_path.exists() or (out / CONFIG_FILE).exists()):
         raise UserError(f"{out} already holds a run: pass --resume to continue it, --overwrite, or another --out")
 
-    if isinstance(encoder, str | Path):  # a folder: load it with the checkpoint's max_length, so ids compare
-        from offline_agent.embed import TextEncoder
-
-        wanted = _read_json(source / CONFIG_FILE).get("encoder", {})
-        encoder = TextEncoder(str(encoder), device=config.device, max_length=int(wanted.get("max_length") or 256))
     reference = Policy.load(source, encoder=encoder, device=config.device)
     if reference.meta.get("network", {}).get("kind") is None:
         raise UserError(f"{source} has no network description in policy.json: retrain it with this offline-agent")
