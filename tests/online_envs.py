@@ -164,22 +164,32 @@ def tiny_encoder_folder(path: Path, dim: int = 32) -> Path:
 
 
 def tiny_checkpoint(
-    run: Path, encoder_folder: Path, tau: float = 1.0, hidden: int = 32, seed: int = 0, pair_dim: int = 0
+    run: Path,
+    encoder_folder: Path,
+    tau: float = 1.0,
+    hidden: int = 32,
+    seed: int = 0,
+    pair_dim: int = 0,
+    observation_view: bool = False,
 ) -> Path:
     """An offline checkpoint with a freshly initialised twin-Q network over the tiny encoder (k = 2 turns);
-    with `pair_dim`, a grounded one (its random grounding weights make the grounding matter)."""
+    with `pair_dim`, a grounded one (its random grounding weights make the grounding matter); with
+    `observation_view`, over the encoder's two views."""
     import torch
 
     from offline_agent.embed import TextEncoder
     from offline_agent.learn.networks import QNetwork
     from offline_agent.learn.policy import save_checkpoint
 
-    encoder = TextEncoder(str(encoder_folder), max_length=64)
+    encoder = TextEncoder(str(encoder_folder), max_length=64, observation_view=observation_view)
     torch.manual_seed(seed)
     network = QNetwork(encoder.dim, hidden=hidden, n_heads=2, pair_dim=pair_dim)
     meta = {
         "algo": "cql",
-        "encoder": {"id": encoder.id, "path": encoder.path, "dim": encoder.dim, "max_length": 64},
+        "encoder": {
+            "id": encoder.id, "path": encoder.path, "dim": encoder.dim, "max_length": 64,
+            "observation_view": observation_view,
+        },
         "k": 2,
         "max_tokens": 64,
         "tau": tau,

@@ -70,6 +70,19 @@ def test_a_short_fine_tune_raises_the_success_rate_and_writes_a_loadable_policy(
     assert after.success_rate >= 0.9 > before.success_rate
 
 
+def test_a_policy_over_the_observation_view_is_fine_tuned_and_saved_with_it(tiny, tmp_path):
+    from offline_agent.learn.policy import Policy
+
+    run = online_envs.tiny_checkpoint(tmp_path / "run", tiny["encoder"], observation_view=True)
+    out = tmp_path / "ft"
+    config = PPOConfig(iterations=2, num_envs=2, num_steps=16, vector="sync", beta=0.01)
+    finetune(run, WIDGET, out, config, encoder=str(tiny["encoder"]))
+    policy, reference = Policy.load(out), Policy.load(run)
+    assert policy.meta["encoder"] == reference.meta["encoder"] and policy.encoder.observation_view
+    assert policy.encoder.id == reference.encoder.id and policy.encoder.id.endswith("-obsview")
+    assert pl.read_parquet(out / "metrics.parquet")["objective/kl"][0] == pytest.approx(0.0, abs=1e-6)
+
+
 def _cli(out: Path, run: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "offline_agent.cli", "finetune", str(run), "--env", WIDGET, "--out", str(out),
             *FAST, "--iterations", "12", "--checkpoint-every", "2", *extra]
