@@ -22,15 +22,20 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 LOGS800_TAU = {"support": "0.5", "logistics": "0.3"}
 
 
-def logs800(sim: str, suffix: str = "", *extra: str, opening: bool = False) -> tuple[str, str, list[str]]:
+def logs800(
+    sim: str, suffix: str = "", *extra: str, opening: bool = False, observation_view: bool = False
+) -> tuple[str, str, list[str]]:
     """The benchmark entry of one simulator fine-tuned from its 800-episode start with sub-goal shaping and
     self-imitation, at its temperature, plus `extra` arguments; `suffix` ends the result name as
-    `benchmarks/online.py` names the variant. `opening`: the start whose states keep the first turn."""
+    `benchmarks/online.py` names the variant. `opening`: the start whose states keep the first turn;
+    `observation_view`: the start whose encoder also embeds each state's current observation."""
     tau = LOGS800_TAU[sim]
+    start = ("_opening" if opening else "") + ("_obsview" if observation_view else "")
     return (
-        f"online_logs800{'_opening' if opening else ''}_tau{tau.replace('.', '')}_shaping1_sil1{suffix}",
+        f"online_logs800{start}_tau{tau.replace('.', '')}_shaping1_sil1{suffix}",
         "online.py",
-        ["--sims", sim, "--logs", "800", *(["--keep-opening"] if opening else []), "--cql-steps", "2000",
+        ["--sims", sim, "--logs", "800", *(["--keep-opening"] if opening else []),
+         *(["--observation-view"] if observation_view else []), "--cql-steps", "2000",
          "--tau", tau, "--subgoal-shaping", "1", "--self-imitation", "1", *extra, "--no-scratch", "--threads", "1",
          "--dip-iterations", "1", "2"],
     )

@@ -17,6 +17,7 @@ Dimension letters: N texts, D embedding width, B a batch, T tokens.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -183,7 +184,8 @@ class TextEncoder:
         self.batch_size = batch_size
         self.observation_view = observation_view
         self.dim = int(model.config.hidden_size) * (2 if observation_view else 1)
-        self.id = encoder_id(folder, max_length) + ("-obsview" if observation_view else "")
+        self.single_id = encoder_id(folder, max_length)  # the id of one view's vectors: the cache's key
+        self.id = self.single_id + ("-obsview" if observation_view else "")
         self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
 
     def load_tuned_layers(self, state: dict[str, Any], base_id: str | None = None) -> None:
@@ -211,8 +213,18 @@ class TextEncoder:
             top.load_state_dict({key[len(LAYER_PREFIX) :]: t for key, t in state.items()}, strict=True)
         except RuntimeError as exc:
             raise UserError(f"tuned encoder layers do not fit encoder {self.id}: {str(exc).splitlines()[0]}") from None
-        self.id = tuned_encoder_id(self.id, state)
+        self.single_id = tuned_encoder_id(self.single_id, state)
+        self.id = self.single_id + ("-obsview" if self.observation_view else "")
         self.tuned_layers = n_top
+
+    def single_view(self) -> TextEncoder:
+        """This encoder without the observation view (the same model, not a copy of it): what the embedding
+        cache stores, since an observation-view vector is two of its vectors side by side."""
+        if not self.observation_view:
+            return self
+        plain = copy.copy(self)
+        plain.observation_view, plain.dim, plain.id = False, self.dim // 2, self.single_id
+        return plain
 
     def count_tokens(self, text: str) -> int:
         """Tokens of `text` with the special tokens the encoder adds: the `count_tokens` of render_state."""
@@ -458,12 +470,18 @@ class EmbeddingCache:
     (fixed_size_list<float32>[D]). Parts are only ever added, each written to a
     temporary name and renamed, so concurrent writers and crashes leave whole files;
     two writers that encode the same text store it twice, and either copy is read.
+
+    An encoder with the observation view stores nothing of its own: its vectors are assembled from the
+    one-view vectors of each text and of its current observation, kept under the plain encoder's id. A
+    dataset embedded without the view then needs only its observations encoded to be used with it.
     """
 
     def __init__(self, root: str | Path, encoder: TextEncoder):
         self.root = Path(root)
         self.encoder = encoder
-        self.folder = self.root / encoder.id
+        # Duck-typed encoders (benchmarks' experiments) have one view and no `single_view`.
+        self.single = encoder.single_view() if hasattr(encoder, "single_view") else encoder
+        self.folder = self.root / self.single.id
         self.hits = 0
         self.misses = 0
 
@@ -472,7 +490,7 @@ class EmbeddingCache:
         return pa.schema(
             [
                 pa.field("text_hash", pa.string(), nullable=False),
-                pa.field("vector", pa.list_(pa.float32(), self.encoder.dim), nullable=False),
+                pa.field("vector", pa.list_(pa.float32(), self.single.dim), nullable=False),
             ]
         )
 
@@ -493,10 +511,10 @@ class EmbeddingCache:
                 continue
             column = pq.read_table(part, columns=["vector"]).column("vector").combine_chunks()
             width = column.type.list_size
-            if width != self.encoder.dim:
+            if width != self.single.dim:
                 raise UserError(
-                    f"embedding cache part {part} holds {width}-d vectors, encoder {self.encoder.id} gives "
-                    f"{self.encoder.dim}-d: the file is damaged, delete it"
+                    f"embedding cache part {part} holds {width}-d vectors, encoder {self.single.id} gives "
+                    f"{self.single.dim}-d: the file is damaged, delete it"
                 )
             vectors = column.values.to_numpy(zero_copy_only=False).reshape(-1, width)  # (rows, D)
             for i in rows:
@@ -504,8 +522,15 @@ class EmbeddingCache:
         return found
 
     def embed(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
-        """(N, D) float32 vectors of `texts` in the order given; encodes (and stores) only uncached texts."""
+        """(N, D) float32 vectors of `texts` in the order given; encodes (and stores) only uncached texts.
+        `hits` and `misses` count the distinct one-view texts found and encoded."""
         texts = list(texts)
+        if self.single is self.encoder:
+            return self._embed_one_view(texts, progress)
+        views = self._embed_one_view(texts + [current_observation(t) for t in texts], progress)
+        return two_views(views[: len(texts)], views[len(texts) :])
+
+    def _embed_one_view(self, texts: list[str], progress: bool) -> np.ndarray:
         hashes = [text_hash(t) for t in texts]
         # Actions and candidates repeat a lot: each distinct text is looked up and encoded once.
         unique: dict[str, str] = {}
@@ -517,10 +542,10 @@ class EmbeddingCache:
         if missing:
             to_encode = [unique[h] for h in missing]
             # Only TextEncoder takes `progress`; a duck-typed encoder needs no more than encode(texts).
-            encoded = self.encoder.encode(to_encode, progress=True) if progress else self.encoder.encode(to_encode)
+            encoded = self.single.encode(to_encode, progress=True) if progress else self.single.encode(to_encode)
             self._write_part(missing, encoded)
             found.update(zip(missing, encoded, strict=True))
-        out = np.empty((len(texts), self.encoder.dim), dtype=np.float32)
+        out = np.empty((len(texts), self.single.dim), dtype=np.float32)
         for i, h in enumerate(hashes):
             out[i] = found[h]
         return out
@@ -532,7 +557,7 @@ class EmbeddingCache:
         table = pa.table(
             {
                 "text_hash": pa.array(hashes, pa.string()),
-                "vector": pa.FixedSizeListArray.from_arrays(flat, self.encoder.dim),
+                "vector": pa.FixedSizeListArray.from_arrays(flat, self.single.dim),
             },
             schema=self.schema,
         )
@@ -549,10 +574,10 @@ class EmbeddingCache:
         if path.exists():
             return
         info = {
-            "id": self.encoder.id,
-            "path": self.encoder.path,
-            "dim": self.encoder.dim,
-            "max_length": self.encoder.max_length,
+            "id": self.single.id,
+            "path": self.single.path,
+            "dim": self.single.dim,
+            "max_length": self.single.max_length,
             "pooling": "mean",
             "normalize": "l2",
         }

@@ -342,16 +342,24 @@ def test_observation_view_puts_the_current_observation_beside_the_whole_text(enc
     assert not np.allclose(whole, focus, atol=1e-2)  # the second view is not a copy of the first
 
 
-def test_embed_verb_observation_view_fills_a_cache_of_its_own(tmp_path):
+def test_the_observation_view_on_an_embedded_dataset_encodes_only_its_observations(tmp_path):
     from offline_agent.cli import app
 
     dataset = _tiny_dataset(tmp_path)
-    result = CliRunner().invoke(app, ["embed", str(dataset), "--k", "2", "--observation-view"])
+    runner = CliRunner()
+    assert runner.invoke(app, ["embed", str(dataset), "--k", "2"]).exit_code == 0
+    texts = dataset_texts(dataset, k=2)
+    known = {*texts.states, *texts.actions, *texts.candidates}
+    new = {current_observation(t) for t in texts.states} - known
+    assert new  # the states' observations alone are texts of their own
+    result = runner.invoke(app, ["embed", str(dataset), "--k", "2", "--observation-view"])
     assert result.exit_code == 0, result.output
-    folder = next((dataset / "embeddings").glob("*-obsview"))
-    part = pq.read_table(sorted(folder.glob("part-*.parquet"))[0])
-    assert str(part.schema.field("vector").type) == "fixed_size_list<element: float>[768]"
-    assert sorted(p.name for p in (dataset / "embeddings").iterdir()) == [folder.name]
+    assert f"{len(new)} new texts encoded, {len(known)} cached" in result.output
+    # One folder of one-view vectors serves both encoders; the two-view vectors are assembled from it.
+    assert [p.name for p in (dataset / "embeddings").iterdir()] == [TextEncoder().id]
+    viewed = TextEncoder(observation_view=True)
+    cached = EmbeddingCache(dataset / "embeddings", viewed).embed(texts.states[:3])
+    np.testing.assert_allclose(cached, viewed.encode(texts.states[:3]), atol=1e-6)
 
 
 def test_embed_verb_bad_encoder_is_a_one_line_error(tmp_path):
