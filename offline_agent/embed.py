@@ -130,8 +130,8 @@ class TextEncoder:
     a few hundred tokens of task and recent turns blurs the few words that decide the next action ("And
     what about the other thing?"); the second view keeps them sharp. An action has no `[obs]` block, so
     its two halves are equal, and the learner's product phi(s) * psi(a) then pairs the action with both
-    the whole state and its current observation. The id ends in `-obsview`, so no cache or checkpoint
-    mixes these vectors with plain ones.
+    the whole state and its current observation. The id ends in `-obsview`, so no checkpoint trained on
+    one kind of vector is played with the other; the embedding cache keeps one-view vectors for both.
     """
 
     def __init__(
