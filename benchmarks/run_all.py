@@ -96,6 +96,13 @@ BENCHMARKS = [
                 "--validation-keep", "guard", *(["--seed", str(seed)] if seed else []), opening=True)
         for seed in (0, 1, 2)
     ),
+    # CustomerSupport guarded from starts whose encoder also embeds each state's current observation, with and
+    # without the opening turn (fine-tuning seed 0).
+    *(
+        logs800("support", "_val64guard", "--validation-episodes", "64", "--validation-keep", "guard",
+                opening=opening, observation_view=True)
+        for opening in (False, True)
+    ),
 ]
 
 
