@@ -113,9 +113,17 @@ def current_observation(text: str) -> str:
     return text[i + 1 + len(OBS_PREFIX) :] if i >= 0 else text
 
 
-def two_views(whole: np.ndarray, focus: np.ndarray) -> np.ndarray:
-    """[whole; focus] / sqrt(2): two unit vectors side by side, still of unit norm."""
-    return (np.concatenate([whole, focus], axis=1) / np.sqrt(2.0)).astype(np.float32)
+def observation_views(texts: list[str], one_view: Callable[[list[str]], np.ndarray]) -> np.ndarray:
+    """[v(text); v(current observation)] / sqrt(2) for each text: two unit vectors side by side, still of unit
+    norm. `one_view` embeds a list of texts (N, D) in one call; a text that is its own current observation
+    (an action) is passed once."""
+    focus = [current_observation(t) for t in texts]
+    differ = [i for i, (t, f) in enumerate(zip(texts, focus, strict=True)) if t != f]
+    views = one_view(texts + [focus[i] for i in differ])
+    whole = views[: len(texts)]
+    part = whole.copy()
+    part[differ] = views[len(texts) :]
+    return (np.concatenate([whole, part], axis=1) / np.sqrt(2.0)).astype(np.float32)
 
 
 class TextEncoder:
@@ -183,9 +191,7 @@ class TextEncoder:
         self.max_length = max_length
         self.batch_size = batch_size
         self.observation_view = observation_view
-        self.dim = int(model.config.hidden_size) * (2 if observation_view else 1)
         self.single_id = encoder_id(folder, max_length)  # the id of one view's vectors: the cache's key
-        self.id = self.single_id + ("-obsview" if observation_view else "")
         self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
 
     def load_tuned_layers(self, state: dict[str, Any], base_id: str | None = None) -> None:
@@ -214,7 +220,6 @@ class TextEncoder:
         except RuntimeError as exc:
             raise UserError(f"tuned encoder layers do not fit encoder {self.id}: {str(exc).splitlines()[0]}") from None
         self.single_id = tuned_encoder_id(self.single_id, state)
-        self.id = self.single_id + ("-obsview" if self.observation_view else "")
         self.tuned_layers = n_top
 
     def single_view(self) -> TextEncoder:
@@ -223,8 +228,16 @@ class TextEncoder:
         if not self.observation_view:
             return self
         plain = copy.copy(self)
-        plain.observation_view, plain.dim, plain.id = False, self.dim // 2, self.single_id
+        plain.observation_view = False
         return plain
+
+    @property
+    def id(self) -> str:
+        return self.single_id + ("-obsview" if self.observation_view else "")
+
+    @property
+    def dim(self) -> int:
+        return int(self.model.config.hidden_size) * (2 if self.observation_view else 1)
 
     def count_tokens(self, text: str) -> int:
         """Tokens of `text` with the special tokens the encoder adds: the `count_tokens` of render_state."""
@@ -237,14 +250,7 @@ class TextEncoder:
         texts = list(texts)
         if not self.observation_view:
             return self._encode_one_view(texts, progress)
-        focus = [current_observation(t) for t in texts]
-        # Actions (and states that are their observation alone) are their own focus: encoded once.
-        differ = [i for i, (t, f) in enumerate(zip(texts, focus, strict=True)) if t != f]
-        whole = self._encode_one_view(texts, progress)
-        part = whole.copy()
-        if differ:
-            part[differ] = self._encode_one_view([focus[i] for i in differ], progress)
-        return two_views(whole, part)
+        return observation_views(texts, lambda views: self._encode_one_view(views, progress))
 
     def _encode_one_view(self, texts: list[str], progress: bool) -> np.ndarray:
         import torch
@@ -527,8 +533,7 @@ class EmbeddingCache:
         texts = list(texts)
         if self.single is self.encoder:
             return self._embed_one_view(texts, progress)
-        views = self._embed_one_view(texts + [current_observation(t) for t in texts], progress)
-        return two_views(views[: len(texts)], views[len(texts) :])
+        return observation_views(texts, lambda views: self._embed_one_view(views, progress))
 
     def _embed_one_view(self, texts: list[str], progress: bool) -> np.ndarray:
         hashes = [text_hash(t) for t in texts]
