@@ -1,10 +1,10 @@
 """Experiment (not part of `make bench`): does a second view of the state, its current observation, help?
 
 The learner's state vector is MiniLM's mean-pooled embedding of a long text (task + last k turns +
-current observation). This script swaps in an encoder whose vector of a state text is
-[MiniLM(state); MiniLM(current observation)] / sqrt(2), and of an action text
-[MiniLM(action); MiniLM(action)] / sqrt(2): the learner, the cache and the policy stay unchanged, and
-the product phi(s) * psi(a) also pairs the current observation with the action. It trains the given
+current observation). This script trains over the encoder's observation view instead (`TextEncoder(
+observation_view=True)`, what `train --observation-view` uses): a state text's vector is
+[MiniLM(state); MiniLM(current observation)] / sqrt(2), an action's [MiniLM(action); MiniLM(action)] /
+sqrt(2), and the product phi(s) * psi(a) also pairs the current observation with the action. It trains the given
 learners on the logs that `benchmarks/offline_quality.py` writes (run that first) with its default
 budget, and plays fresh episodes with the same reset seeds, so its numbers compare with that table's.
 
@@ -19,36 +19,9 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.offline_quality import BUDGETS, EVAL_SEED, make_dataset  # noqa: E402
-
-MARK = "\n[obs] "
-
-
-def focus(text: str) -> str:
-    """The current observation of a rendered state (its last `[obs]` block); an action is its own focus."""
-    if text.startswith("[obs] ") and MARK not in text:
-        return text[len("[obs] ") :]
-    i = text.rfind(MARK)
-    return text[i + len(MARK) :] if i >= 0 else text
-
-
-class FocusEncoder:
-    """A `TextEncoder` look-alike: [base(text); base(focus(text))] / sqrt(2), under its own id."""
-
-    def __init__(self, base):
-        self.base, self.path = base, base.path
-        self.id, self.dim, self.max_length = base.id + "-focus", 2 * base.dim, base.max_length
-        self.count_tokens = base.count_tokens
-
-    def encode(self, texts, progress: bool = False) -> np.ndarray:
-        texts = list(texts)
-        whole = self.base.encode(texts, progress=progress)
-        part = self.base.encode([focus(t) for t in texts])
-        return (np.concatenate([whole, part], 1) / np.sqrt(2)).astype(np.float32)
 
 
 def main() -> None:
@@ -69,7 +42,7 @@ def main() -> None:
     torch.set_num_threads(1)
     budget = BUDGETS["default"]
     dataset = make_dataset(args.env, budget["episodes"], Path(args.workdir))
-    encoder = FocusEncoder(TextEncoder(max_length=budget["max_length"]))
+    encoder = TextEncoder(max_length=budget["max_length"], observation_view=True)
     features = build_features(dataset, encoder, k=budget["k"], cache_root=Path(args.workdir) / "focus_cache")
     memo: dict = {}
     for seed in range(args.seeds):
