@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from offline_agent.learn.encoder_tuning import (
     LAYER_PREFIX,
     EncoderTop,
     TokenStates,
+    additive_mask,
     token_states,
     tuned_encoder_id,
     weights_digest,
@@ -42,6 +44,16 @@ def test_the_untrained_top_over_cached_states_gives_the_frozen_vectors(n_top):
     # The cached states are float16: agreement to ~1e-4, not bit for bit.
     assert (tuned - frozen).abs().max().item() < 1e-3
     assert int(mask.sum(1)[2]) == encoder().max_length  # the long text was cut like `encode` cuts it
+
+
+def test_without_transformers_mask_builder_the_additive_mask_gives_the_same_vectors(monkeypatch):
+    # transformers before 4.53 has no masking_utils: the layers then take the additive mask built here.
+    monkeypatch.setitem(sys.modules, "transformers.masking_utils", None)  # `from ... import` raises ImportError
+    frozen = torch.from_numpy(encoder().encode(TEXTS))
+    hidden, mask = token_states(encoder(), TEXTS, 1).gather(torch.arange(len(TEXTS)))
+    tuned = EncoderTop(encoder(), 1)(hidden, mask)
+    assert (tuned - frozen).abs().max().item() < 1e-3
+    assert additive_mask(torch.tensor([[1, 0]]), torch.float32).tolist() == [[[[0.0, torch.finfo().min]]]]
 
 
 def test_token_states_gather_pads_each_text_to_the_longest_and_masks_the_rest():

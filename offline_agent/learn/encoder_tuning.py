@@ -90,13 +90,21 @@ def layer_mask(model: nn.Module, attention_mask: torch.Tensor, hidden: torch.Ten
 
     Uses transformers' public mask builder, the one an encoder's own forward calls, and not the model's private
     helper, whose signature changes between releases (5.25 added `position_ids`). Releases before the builder
-    existed (4.x) take the additive mask of `get_extended_attention_mask`.
+    existed (4.x before 4.53) take an additive mask, built here because their `get_extended_attention_mask`
+    is gone from 5.x.
     """
     try:
         from transformers.masking_utils import create_bidirectional_mask
     except ImportError:
-        return model.get_extended_attention_mask(attention_mask, attention_mask.shape)
+        return additive_mask(attention_mask, hidden.dtype)
     return create_bidirectional_mask(config=model.config, inputs_embeds=hidden, attention_mask=attention_mask)
+
+
+def additive_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, T) 1/0 mask -> (B, 1, 1, T) additive mask: 0 where a key may be attended, the dtype's minimum where not
+    (what BERT's layers added to their attention scores in transformers 4.x)."""
+    blocked = 1.0 - attention_mask[:, None, None, :].to(dtype)
+    return blocked * torch.finfo(dtype).min
 
 
 @dataclass
