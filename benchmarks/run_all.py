@@ -97,11 +97,16 @@ BENCHMARKS = [
         for seed in (0, 1, 2)
     ),
     # CustomerSupport guarded from starts whose encoder also embeds each state's current observation, with and
-    # without the opening turn (fine-tuning seed 0).
+    # without the opening turn (fine-tuning seed 0), then without it for fine-tuning seeds 1 and 2.
     *(
         logs800("support", "_val64guard", "--validation-episodes", "64", "--validation-keep", "guard",
                 opening=opening, observation_view=True)
         for opening in (False, True)
+    ),
+    *(
+        logs800("support", f"_val64guard_seed{seed}", "--validation-episodes", "64", "--validation-keep", "guard",
+                "--seed", str(seed), observation_view=True)
+        for seed in (1, 2)
     ),
 ]
 
