@@ -63,6 +63,8 @@ KEEP_WORDS = {
     "guard": "the latest greedy one that succeeds at least as often as the offline policy (until one does, the "
     "offline one)",
 }
+#: Fine-tuning iterations of a run (24 x 8 envs x 64 steps = 12,288 env steps); other counts are variants.
+ITERATIONS = 24
 TITLE_KEEP_WORDS = {"best": ", best of {n} validation episodes kept", "guard": ", guarded by {n} validation episodes"}
 
 
@@ -164,6 +166,7 @@ def variant(args: argparse.Namespace) -> str:
         tag += f"s{args.self_imitation_start}" if args.self_imitation_start else ""
     if args.validation_episodes:
         tag += f"-val{args.validation_episodes}" + ("" if args.validation_keep == "best" else args.validation_keep)
+    tag += f"-it{args.iterations}" if args.iterations != ITERATIONS else ""
     tag += "-safety" if args.safety else ""
     return tag + (f"-seed{args.seed}" if args.seed else "")
 
@@ -373,7 +376,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the offline stage's state texts keep each episode's first turn (the user's request)")
     parser.add_argument("--observation-view", action="store_true",
                         help="the offline stage's encoder also embeds each state's current observation on its own")
-    parser.add_argument("--iterations", type=int, default=24)
+    parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--num-steps", type=int, default=64, help="steps per env per iteration")
     parser.add_argument("--target-kl", type=float, default=DEFAULT_TARGET_KL,
@@ -548,6 +551,7 @@ def main() -> None:
         title += f", {kl_words(args)}" if kl_tag(args) else ""
         if args.validation_episodes:
             title += TITLE_KEEP_WORDS[args.validation_keep].format(n=args.validation_episodes)
+        title += f", {args.iterations} iterations" if args.iterations != ITERATIONS else ""
         title += ", behind a safety filter" if args.safety else ""
         title += f", fine-tuning seed {args.seed}" if args.seed else ""
         write_result("online" + tag.replace("-", "_").replace(".", ""), title, table, command.strip())

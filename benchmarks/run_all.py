@@ -108,6 +108,13 @@ BENCHMARKS = [
                 "--seed", str(seed), observation_view=True)
         for seed in (1, 2)
     ),
+    # The same three seeds fine-tuned for 48 iterations (24,576 env steps): validation was still rising at 24.
+    *(
+        logs800("support", "_val64guard_it48" + (f"_seed{seed}" if seed else ""), "--validation-episodes", "64",
+                "--validation-keep", "guard", "--iterations", "48", *(["--seed", str(seed)] if seed else []),
+                observation_view=True)
+        for seed in (0, 1, 2)
+    ),
 ]
 
 

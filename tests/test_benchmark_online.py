@@ -31,6 +31,13 @@ def test_seeds_keep_their_runs_apart():
                        cache / "support-logs800-tau0.3-shaping1-sil1-seed2"}
 
 
+def test_a_longer_run_is_a_variant_of_its_own():
+    longer = parse_args([*LOGS800, "--validation-episodes", "64", "--validation-keep", "guard", "--iterations", "48",
+                         "--seed", "1"])
+    assert variant(longer) == "-logs800-tau0.3-shaping1-sil1-val64guard-it48-seed1" and longer.iterations == 48
+    assert variant(parse_args(["--iterations", "24"])) == ""
+
+
 def test_keeping_the_best_validated_policy_is_a_variant_of_its_own():
     args = parse_args([*LOGS800, "--validation-episodes", "64", "--seed", "1"])
     assert variant(args) == "-logs800-tau0.3-shaping1-sil1-val64-seed1" and args.validation_episodes == 64
