@@ -232,8 +232,9 @@ def test_at_iteration_zero_the_policy_is_the_offline_policy(request, policy_init
         for name, param in trained.items():
             key = re.sub(r"heads\.\d+\.", "heads.*.", name)
             changed[key] = changed.get(key, False) or not torch.equal(param, original[name])
-        # Except a head's output bias: it adds the same to every candidate's logit, which the softmax cancels,
-        # so its only gradient is rounding noise (or none, where one head is the min for every candidate).
+        # Except a head's output bias: it adds the same to every candidate's Q where its head is the min, which
+        # the softmax cancels; it gets a gradient only where the min switches heads between an observation's
+        # candidates, else rounding noise or none (on a fresh install: none, and it stayed put).
         output_bias = max((k for k in changed if re.search(r"mlp\.\d+\.bias$", k)),
                           key=lambda k: int(k.split(".")[-2]))
         del changed[output_bias]
