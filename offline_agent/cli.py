@@ -511,6 +511,10 @@ def train_command(
         True, "--grounding/--no-grounding", help="cql/bc: score each candidate with its grounding in the episode "
         "(argument values found in the task and observations, actions already taken)"
     ),
+    head: str = typer.Option(
+        "factorised", "--head", help="cql: factorised (state and action towers, a small per-pair head; fast) | "
+        "pairwise (an MLP over every state-candidate pair; the earlier design)"
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a policy already in OUT"),
 ) -> None:
     """Train an offline policy on a dataset: CQL over candidate actions, or a baseline."""
@@ -529,6 +533,8 @@ def train_command(
         settings["encoder_learning_rate"] = encoder_lr
     if not grounding:
         settings["grounding"] = False
+    if head != "factorised":
+        settings["head"] = head
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
         encoder=encoder, k=k, keep_opening=keep_opening, observation_view=observation_view, overwrite=overwrite,

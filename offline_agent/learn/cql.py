@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -40,10 +40,14 @@ from offline_agent.errors import UserError
 from offline_agent.learn.encoder_tuning import EncoderTuner, EncoderTuningSettings
 from offline_agent.learn.features import Batch, Features, make_batch
 from offline_agent.learn.grounding import PAIR_DIM
-from offline_agent.learn.networks import QNetwork, masked
+from offline_agent.learn.networks import FactorisedQNetwork, QNetwork, masked
 
 #: Called after each gradient step with the step number and, on log steps, the metric record.
 OnStep = Callable[[int, dict[str, float] | None], None]
+
+#: Hidden width of each head when none is asked for. The factorised head's towers run once per state and
+#: per action, so width costs less there, but 128 was as good as 256 on the offline-quality benchmark.
+DEFAULT_HIDDEN = {"factorised": 128, "pairwise": 256}
 
 #: Metric names written to RUN/metrics.parquet (a stable contract).
 METRICS = ("loss/total", "loss/td", "loss/cql", "q/data_mean", "q/ood_gap", "q/target_mean")
@@ -60,7 +64,18 @@ class CQLConfig(EncoderTuningSettings):
     alpha: float = field(default=1.0, metadata={"help": "weight of the conservative term, >= 0 (0 = plain DQN)"})
     tau: float = field(default=0.1, metadata={"help": "temperature of the policy softmax(Q / tau), > 0"})
     target_update_rate: float = field(default=0.005, metadata={"help": "Polyak rate of the target net, (0, 1]"})
-    hidden: int = field(default=256, metadata={"help": "hidden width of each Q head"})
+    head: Literal["factorised", "pairwise"] = field(
+        default="factorised",
+        metadata={"help": "factorised: state and action towers and a small per-pair head (fast); "
+                  "pairwise: an MLP over every (state, candidate) pair (the earlier design)"},
+    )
+    hidden: int | None = field(
+        default=None,
+        metadata={"help": "hidden width of each Q head: of each tower (factorised, default 128) or of the pair MLP "
+                  "(pairwise, default 256)"},
+    )
+    rank: int = field(default=64, metadata={"help": "width R of the towers' outputs (factorised head)"})
+    pair_hidden: int = field(default=32, metadata={"help": "hidden width of the per-pair head (factorised head)"})
     n_heads: int = field(default=2, metadata={"help": "Q heads (2 = twin Q with min)"})
     cal_ql: bool = field(default=True, metadata={"help": "floor pushed-down values at the MC return"})
     n_sampled_candidates: int = field(
@@ -84,6 +99,13 @@ class CQLConfig(EncoderTuningSettings):
             raise UserError(f"target_update_rate must be in (0, 1], got {self.target_update_rate}; e.g. 0.005")
         if self.n_heads < 1:
             raise UserError(f"n_heads must be >= 1, got {self.n_heads}; 2 gives twin Q")
+        if self.head not in ("factorised", "pairwise"):
+            raise UserError(f"head must be factorised or pairwise, got {self.head!r}")
+        if self.hidden is None:
+            self.hidden = DEFAULT_HIDDEN[self.head]
+        for name in ("hidden", "rank", "pair_hidden"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 def check_common(config: Any) -> None:
@@ -159,9 +181,8 @@ def policy_probs(q: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tenso
 
 @torch.no_grad()
 def polyak_update(target: torch.nn.Module, online: torch.nn.Module, rate: float) -> None:
-    """target <- (1 - rate) * target + rate * online, parameter by parameter."""
-    for t, o in zip(target.parameters(), online.parameters(), strict=True):
-        t.lerp_(o, rate)
+    """target <- (1 - rate) * target + rate * online, parameter by parameter (one fused call)."""
+    torch._foreach_lerp_(list(target.parameters()), list(online.parameters()), rate)
 
 
 @dataclass(frozen=True)
@@ -185,15 +206,30 @@ class CQLLoss:
         )
 
 
-def cql_loss(q_net: QNetwork, target_net: QNetwork, batch: Batch, config: CQLConfig) -> CQLLoss:
+def q_network(config: CQLConfig, dim: int, pair_dim: int) -> FactorisedQNetwork | QNetwork:
+    """The Q network a CQL config asks for, with fresh weights."""
+    adapters = {"state_adapter": config.state_adapter, "action_adapter": config.action_adapter}
+    if config.head == "pairwise":
+        return QNetwork(dim, config.hidden, config.n_heads, pair_dim=pair_dim, **adapters)
+    return FactorisedQNetwork(
+        dim, config.hidden, config.n_heads, config.rank, config.pair_hidden, pair_dim=pair_dim, **adapters
+    )
+
+
+def cql_loss(q_net: torch.nn.Module, target_net: torch.nn.Module, batch: Batch, config: CQLConfig) -> CQLLoss:
     """TD (both heads) + alpha * conservative penalty (both heads) on one batch."""
     # Candidates as ids into the action table: each distinct action's block is computed once.
     ids = torch.cat([batch.action_id[:, None], batch.cand_ids.clamp(min=0)], 1)  # (B, 1 + C)
-    q = q_net.all_heads_by_id(batch.state, batch.action_table, ids, batch.pair)  # (K, B, 1 + C)
+    shared = {}
+    if isinstance(q_net, FactorisedQNetwork) and batch.action_table.shape[0] <= ids.numel():
+        # A small vocabulary: the action tower runs once over all of it, for s and (detached) for s'.
+        shared["table_vectors"] = q_net.action_vectors(batch.action_table)  # (K, V, R + G)
+    q = q_net.all_heads_by_id(batch.state, batch.action_table, ids, batch.pair, **shared)  # (K, B, 1 + C)
     q_data, q_cand = q[:, :, 0], q[:, :, 1:]  # (K, B), (K, B, C)
     with torch.no_grad():
+        shared = {name: t.detach() for name, t in shared.items()}
         q_next = q_net.all_heads_by_id(
-            batch.next_state, batch.action_table, batch.next_cand_ids, batch.next_pair
+            batch.next_state, batch.action_table, batch.next_cand_ids, batch.next_pair, **shared
         )  # (K, B, C')
         a_star = double_q_action(q_next.min(0).values, batch.next_mask)  # (B,)
         rows = torch.arange(a_star.shape[0])
@@ -240,14 +276,17 @@ def optimizer_for(net: torch.nn.Module, config: Any, tuner: EncoderTuner | None)
     groups: list[dict[str, Any]] = [{"params": list(net.parameters())}]
     if tuner is not None:
         groups.append({"params": list(tuner.parameters()), "lr": config.encoder_learning_rate})
-    return torch.optim.Adam(groups, lr=config.learning_rate)
+    # One fused kernel for every parameter: the default loops over parameters in Python, which costs as
+    # much as a small network's backward pass.
+    return torch.optim.Adam(groups, lr=config.learning_rate, fused=True)
 
 
 @deterministic_torch()  # a seed alone is not reproducible on several CPU threads
 def train_cql(
     features: Features, config: CQLConfig, on_step: OnStep | None = None, tuner: EncoderTuner | None = None
-) -> tuple[QNetwork, list[dict[str, float]]]:
-    """Train a twin-Q `QNetwork` on the train split. Returns the online network and one metric row per log step.
+) -> tuple[torch.nn.Module, list[dict[str, float]]]:
+    """Train a twin-Q network (`config.head`) on the train split: the online network and one metric row per
+    log step.
 
     `on_step(step, record)` is called after every step (record is None between log steps), for progress bars.
     With a `tuner` (`offline_agent.learn.encoder_tuning`), the states' vectors come from the encoder's
@@ -260,14 +299,7 @@ def train_cql(
     return_to_go = features.returns_to_go(config.gamma)
     rows = train_rows(features)
     grounding = features.grounding_table() if config.grounding else None
-    q_net = QNetwork(
-        features.dim,
-        config.hidden,
-        config.n_heads,
-        config.state_adapter,
-        config.action_adapter,
-        pair_dim=PAIR_DIM if config.grounding else 0,
-    ).to(config.device)
+    q_net = q_network(config, features.dim, PAIR_DIM if config.grounding else 0).to(config.device)
     target_net = copy.deepcopy(q_net).requires_grad_(False)
     optimizer = optimizer_for(q_net, config, tuner)
     history: list[dict[str, float]] = []

@@ -322,9 +322,7 @@ class EncoderTuner:
             batch,
             state=state,
             next_state=next_state,
-            action=table[batch.action_id],
-            cand=table[batch.cand_ids.clamp(min=0)],
-            action_table=table,
+            action_table=table,  # the batch's `action` and `cand` are gathered from it
         )
 
     def layer_state(self) -> dict[str, torch.Tensor]:

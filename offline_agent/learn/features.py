@@ -237,9 +237,7 @@ class Batch:
     """
 
     state: torch.Tensor  # (B, D)
-    action: torch.Tensor  # (B, D) embedding of the data action
     action_id: torch.Tensor  # (B,) int64
-    cand: torch.Tensor  # (B, C, D) other candidates
     cand_ids: torch.Tensor  # (B, C) int64, -1 where empty
     cand_mask: torch.Tensor  # (B, C) bool
     reward: torch.Tensor  # (B,) float32
@@ -257,13 +255,25 @@ class Batch:
 
     def __post_init__(self) -> None:
         b = self.state.shape[0]
-        assert self.state.ndim == 2 and self.cand.ndim == 3 and self.action_table.ndim == 2
-        assert self.cand.shape[:2] == self.cand_mask.shape and self.next_cand_ids.shape == self.next_mask.shape
-        assert all(t.shape[0] == b for t in (self.action, self.reward, self.done, self.return_to_go))
+        assert self.state.ndim == 2 and self.cand_ids.ndim == 2 and self.action_table.ndim == 2
+        assert self.cand_ids.shape == self.cand_mask.shape and self.next_cand_ids.shape == self.next_mask.shape
+        assert all(t.shape[0] == b for t in (self.action_id, self.reward, self.done, self.return_to_go))
         assert self.cand_mask.dtype == torch.bool and self.next_mask.dtype == torch.bool
         if self.pair is not None:
-            assert self.pair.shape[:2] == (b, 1 + self.cand.shape[1]) and self.next_pair is not None
+            assert self.pair.shape[:2] == (b, 1 + self.cand_ids.shape[1]) and self.next_pair is not None
             assert self.next_pair.shape[:2] == self.next_cand_ids.shape
+
+    # Embeddings of the data action and the candidates are gathered only when asked for: CQL scores by id
+    # (`all_heads_by_id`) and never needs the (B, C, D) copy, which cost more than its network's forward.
+    @property
+    def action(self) -> torch.Tensor:
+        """(B, D) embedding of the data action."""
+        return self.action_table[self.action_id]
+
+    @property
+    def cand(self) -> torch.Tensor:
+        """(B, C, D) embeddings of the other candidates (empty slots hold action 0; `cand_mask` hides them)."""
+        return self.action_table[self.cand_ids.clamp(min=0)]
 
     def to(self, device: str | torch.device) -> Batch:
         values = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -325,9 +335,7 @@ def make_batch(
     emb = features.action_emb
     return Batch(
         state=features.state_emb[rows],
-        action=emb[action_id],
         action_id=action_id,
-        cand=emb[cand_ids.clamp(min=0)],  # (B, C) -> (B, C, D)
         cand_ids=cand_ids,
         cand_mask=cand_mask,
         reward=features.reward[rows],

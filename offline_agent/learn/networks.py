@@ -11,6 +11,10 @@ network reads it only if its `pair_dim` is P > 0, and then it is required.
 - `QNetwork`: Q(s, a) = MLP([phi(s), psi(a), phi(s) * psi(a)]) with K heads (twin Q for CQL), optionally
   with small residual adapters that make the frozen state or action embeddings trainable, and optionally
   with the pair's grounding g(s, a) as a fourth input block.
+- `FactorisedQNetwork` (the default of CQL): a state tower run once per state, an action tower run once per
+  distinct action, and a small per-pair head on their reduced R-dimensional vectors; the pairwise
+  `QNetwork` runs every (state, candidate) pair through its wide layers, which made CQL 6x slower than
+  d3rlpy's state-only network on the same features.
 - `VocabQNetwork`: an MLP from phi(s) to one value per vocabulary action (d3rlpy's architecture); a candidate
   is scored as its nearest vocabulary action by embedding (an exact match for a known action).
 - `ResidualQNetwork`: a frozen copy of another network plus a trainable `QNetwork` correction that starts at
@@ -19,7 +23,7 @@ network reads it only if its `pair_dim` is P > 0, and then it is required.
 `build_network(config)` rebuilds either from the `network` entry of a checkpoint's policy.json.
 
 Dimension letters: B batch, C candidate slots, D embedding width, H hidden width, K heads, V vocabulary,
-P pair features.
+P pair features, R reduced (tower output) width, U distinct actions, G pair-head width.
 """
 
 from __future__ import annotations
@@ -163,6 +167,166 @@ class QNetwork(nn.Module):
         return masked(self.all_heads(state_emb, cand_emb, pair).min(0).values, mask)
 
 
+def _uniform(shape: tuple[int, ...], fan_in: int) -> nn.Parameter:
+    """A parameter drawn like `nn.Linear`'s default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    bound = 1.0 / math.sqrt(fan_in)
+    return nn.Parameter(torch.empty(shape).uniform_(-bound, bound))
+
+
+class Tower(nn.Module):
+    """K independent two-layer MLPs D -> H -> R + G, run as one wide matmul and one batched one: x (N, D) ->
+    (K, N, R + G).
+
+    The K heads' first layers are one Linear(D, K * H), so a tower costs one matmul however many heads it
+    has, and the heads stay independent functions (twin Q needs two estimates, not one twice). The output
+    holds the reduced vector (first R) and, after it, the tower's own linear term in the pair head's first
+    layer (last G): a linear map of a linear map is one linear map, so it costs no extra layer.
+    """
+
+    def __init__(self, dim: int, hidden: int, width: int, n_heads: int):
+        super().__init__()
+        self.n_heads, self.hidden = n_heads, hidden
+        self.first = nn.Linear(dim, n_heads * hidden)
+        self.second = _uniform((n_heads, hidden, width), hidden)  # (K, H, R + G)
+        self.second_bias = _uniform((n_heads, 1, width), hidden)  # (K, 1, R + G)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x)).view(x.shape[0], self.n_heads, self.hidden).transpose(0, 1)  # (K, N, H)
+        return torch.baddbmm(self.second_bias, h, self.second)  # (K, N, H) @ (K, H, R + G) -> (K, N, R + G)
+
+
+class PairHead(nn.Module):
+    """Per head k: q_k(s, a) = <u_k(s), v_k(a)> + w_k . relu(t_k(s) + t_k(a) [+ W_g,k g]) + c_k.
+
+    The towers give, per state, u (R) and t(s) (G), and per action v (R) and t(a) (G) (`Tower`). The dot
+    product is a low-rank bilinear score, computed for every (state, distinct action) at once; the
+    small ReLU layer of width G lets the pair's grounding g (P) and the two towers' terms interact
+    non-linearly. Per pair and head that is R + G + P x G multiply-adds, and the pair's tensors are G wide.
+    """
+
+    def __init__(self, rank: int, width: int, n_heads: int, pair_dim: int = 0):
+        super().__init__()
+        self.rank = rank
+        self.w_pair = _uniform((pair_dim, n_heads * width), pair_dim) if pair_dim else None  # (P, K*G)
+        self.out = _uniform((n_heads, width, 1), width)  # (K, G, 1)
+        self.out_bias = _uniform((n_heads, 1, 1), width)  # (K, 1, 1)
+
+    def forward(
+        self, states: torch.Tensor, actions: torch.Tensor, where: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """states (K, B, R + G), actions (K, U, R + G), where (B, C) int64 into U, pair (B, C, P) -> (K, B, C)."""
+        k, b, _ = states.shape
+        c = where.shape[1]
+        u, t_state = states.split([self.rank, states.shape[2] - self.rank], -1)  # (K, B, R), (K, B, G)
+        v, t_action = actions.split([self.rank, actions.shape[2] - self.rank], -1)  # (K, U, R), (K, U, G)
+        flat = where.reshape(-1)  # (B*C,)
+        dot = torch.bmm(u, v.transpose(1, 2))  # (K, B, R) @ (K, R, U) -> (K, B, U): every pair at once
+        dot = dot.gather(2, where.expand(k, b, c))  # (K, B, U) -> (K, B, C)
+        h = t_action.index_select(1, flat).view(k, b, c, -1) + t_state[:, :, None, :]  # (K, B, C, G)
+        if self.w_pair is not None:
+            if pair is None:
+                raise ValueError("this network scores (state, candidate) pairs with their grounding: pass `pair`")
+            # Grounding features are only ever appended: a head trained on the first P reads the first P.
+            g = pair[..., : self.w_pair.shape[0]] @ self.w_pair  # (B, C, P) @ (P, K*G) -> (B, C, K*G)
+            h = h + g.view(b, c, k, -1).permute(2, 0, 1, 3)  # -> (K, B, C, G)
+        q = torch.baddbmm(self.out_bias, torch.relu(h).view(k, b * c, -1), self.out)  # (K, B*C, 1)
+        return q.view(k, b, c) + dot
+
+
+class FactorisedQNetwork(nn.Module):
+    """Q(s, a) from a state tower, an action tower and a small per-pair head: K heads, min over heads.
+
+    The state tower runs once per state and the action tower once per distinct action (a batch's
+    candidates repeat a small vocabulary), both to width R (+ their linear terms); `PairHead` combines
+    them with the pair's grounding at about R x G multiply-adds per pair and head, where the pairwise
+    `QNetwork` spends D x H + H x H (50x more at the defaults). Same contract as `QNetwork` (`all_heads`,
+    `all_heads_by_id`, `q_values`), so CQL, the `Policy` and online fine-tuning take either.
+    """
+
+    kind = "factorised_q"
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int = 128,
+        n_heads: int = 2,
+        rank: int = 64,
+        pair_hidden: int = 32,
+        state_adapter: bool = False,
+        action_adapter: bool = False,
+        adapter_hidden: int = 128,
+        pair_dim: int = 0,
+    ):
+        super().__init__()
+        self.dim, self.hidden, self.n_heads, self.pair_dim = dim, hidden, n_heads, pair_dim
+        self.rank, self.pair_hidden, self.adapter_hidden = rank, pair_hidden, adapter_hidden
+        self.state_adapter = Adapter(dim, adapter_hidden) if state_adapter else None
+        self.action_adapter = Adapter(dim, adapter_hidden) if action_adapter else None
+        self.state_tower = Tower(dim, hidden, rank + pair_hidden, n_heads)
+        self.action_tower = Tower(dim, hidden, rank + pair_hidden, n_heads)
+        self.pair_head = PairHead(rank, pair_hidden, n_heads, pair_dim)
+        self.scale = math.sqrt(dim)  # unit embeddings -> coordinates of size ~1, as in `QNetwork`
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments, as stored in policy.json."""
+        return {
+            "kind": self.kind,
+            "dim": self.dim,
+            "hidden": self.hidden,
+            "n_heads": self.n_heads,
+            "rank": self.rank,
+            "pair_hidden": self.pair_hidden,
+            "state_adapter": self.state_adapter is not None,
+            "action_adapter": self.action_adapter is not None,
+            "adapter_hidden": self.adapter_hidden,
+            "pair_dim": self.pair_dim,
+        }
+
+    def state_vectors(self, state_emb: torch.Tensor) -> torch.Tensor:
+        """state_emb (B, D) -> (K, B, R + G)."""
+        s = state_emb if self.state_adapter is None else self.state_adapter(state_emb)
+        return self.state_tower(s * self.scale)
+
+    def action_vectors(self, action_emb: torch.Tensor) -> torch.Tensor:
+        """action_emb (U, D) -> (K, U, R + G)."""
+        a = action_emb if self.action_adapter is None else self.action_adapter(action_emb)
+        return self.action_tower(a * self.scale)
+
+    def all_heads(
+        self, state_emb: torch.Tensor, cand_emb: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """state_emb (B, D), cand_emb (B, C, D), pair (B, C, P) -> (K, B, C) Q-values of every head (no mask)."""
+        b, c, d = cand_emb.shape
+        where = torch.arange(b * c, device=cand_emb.device).view(b, c)
+        actions = self.action_vectors(cand_emb.reshape(b * c, d))  # (B*C, D) -> (K, B*C, R + G)
+        return self.pair_head(self.state_vectors(state_emb), actions, where, pair)
+
+    def all_heads_by_id(
+        self,
+        state_emb: torch.Tensor,
+        table: torch.Tensor,
+        ids: torch.Tensor,
+        pair: torch.Tensor | None = None,
+        table_vectors: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`all_heads(state_emb, table[ids])` for candidates given as rows (B, C) int64 of an action table
+        (V, D) -> (K, B, C). The action tower runs once per distinct action of `ids`, or not at all when
+        `table_vectors` (K, V, R + G), this network's `action_vectors(table)`, are given."""
+        if table_vectors is not None:
+            return self.pair_head(self.state_vectors(state_emb), table_vectors, ids, pair)
+        if table.shape[0] <= ids.numel():  # a small vocabulary: every row beats finding the distinct ones
+            return self.pair_head(self.state_vectors(state_emb), self.action_vectors(table), ids, pair)
+        distinct, where = torch.unique(ids, return_inverse=True)  # (U,), (B, C) indices into it
+        actions = self.action_vectors(table[distinct])  # (U, D) -> (K, U, R + G)
+        return self.pair_head(self.state_vectors(state_emb), actions, where, pair)
+
+    def q_values(
+        self, state_emb: torch.Tensor, cand_emb: torch.Tensor, mask: torch.Tensor, pair: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """(B, C) min over heads, -inf where mask (B, C) is False."""
+        return masked(self.all_heads(state_emb, cand_emb, pair).min(0).values, mask)
+
+
 class VocabQNetwork(nn.Module):
     """Q(s, .) for every vocabulary action at once: d3rlpy's DiscreteCQL network (MLP D -> H -> H -> V).
 
@@ -244,6 +408,8 @@ def build_network(config: dict[str, Any]) -> nn.Module:
     kind = config.pop("kind")
     if kind == QNetwork.kind:
         return QNetwork(**config)
+    if kind == FactorisedQNetwork.kind:
+        return FactorisedQNetwork(**config)
     if kind == VocabQNetwork.kind:
         return VocabQNetwork(**config)
     if kind == ResidualQNetwork.kind:
