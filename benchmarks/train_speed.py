@@ -9,13 +9,16 @@ vectors for embeddings: speed does not depend on their values, and random
 features keep this benchmark free of the encoder's cost (`embed.md` measures
 that). `--dataset PATH --encoder` would use a real dataset's features instead.
 
-The two do different work per step, which is the point of the comparison:
-d3rlpy's Q network maps a state to all V values at once (one MLP pass per
-state) and its conservative logsumexp runs over the whole vocabulary; ours
-scores each (state, candidate) pair with an MLP over [phi(s), psi(a),
-phi(s) * psi(a)] (one pass per candidate, for the current and the next state,
-twin heads) and its logsumexp runs over the step's candidates only. BC (one
-head, current state only) is listed as the floor of a pairwise scorer.
+The learners do different work per step. d3rlpy's Q network maps a state to
+all V values at once (one MLP pass per state) and its conservative logsumexp
+runs over the whole vocabulary. Ours scores each step's candidates, for the
+current and the next state, with twin heads, a double-Q target and Cal-QL's
+floor. Its default head (`--head factorised`) runs a state tower once per state
+and an action tower once per distinct action, with a small per-pair layer on
+top; the pairwise head (`--head pairwise`, the earlier design) runs every
+(state, candidate) pair through its wide layers. BC (one pairwise head, current
+state only) is listed as well. Each learner runs at its own default width
+unless `--hidden` is given (factorised towers 128, pairwise 256, d3rlpy 256).
 """
 
 from __future__ import annotations
@@ -74,11 +77,23 @@ def synthetic_features(n_steps: int, n_actions: int, dim: int, n_candidates: int
     )
 
 
-def steps_per_second(algo: str, features, batch_size: int, hidden: int, steps: int, warmup: int) -> float:
-    """Steps per second of `algo` after `warmup` steps (a separate short run that warms caches and allocator)."""
+#: The learners timed: a column label -> (algorithm, extra settings).
+LEARNERS = {
+    "CQL (ours, factorised head)": ("cql", {}),
+    "CQL (ours, pairwise head)": ("cql", {"head": "pairwise"}),
+    "d3rlpy DiscreteCQL": ("d3rlpy-cql", {}),
+    "BC": ("bc", {}),
+}
+
+
+def steps_per_second(
+    algo: str, features, batch_size: int, hidden: int | None, steps: int, warmup: int, **extra
+) -> float:
+    """Steps per second of `algo` after `warmup` steps (a separate short run that warms caches and allocator).
+    `hidden` None is the learner's own default width."""
     from offline_agent.learn.train import make_config, run_algorithm
 
-    settings = {"batch_size": batch_size, "hidden": hidden, "log_every": max(steps, 1)}
+    settings = {"batch_size": batch_size, "hidden": hidden, "log_every": max(steps, 1), **extra}
     if algo != "d3rlpy-cql":
         settings["grounding"] = False  # synthetic features have no texts to ground candidates in
     run_algorithm(algo, features, make_config(algo, steps=warmup, **settings))
@@ -92,8 +107,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200, help="timed gradient steps per learner")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[128, 256])
-    parser.add_argument("--threads", type=int, nargs="*", default=[1], help="torch thread counts to time")
-    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--threads", type=int, nargs="*", default=[1, 2], help="torch thread counts to time")
+    parser.add_argument("--hidden", type=int, default=None, help="one width for every learner [default: each own]")
     parser.add_argument("--n-steps", type=int, default=20_000, help="dataset steps")
     parser.add_argument("--n-actions", type=int, default=150, help="vocabulary size")
     args = parser.parse_args()
@@ -105,23 +120,24 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch in args.batch_sizes:
-            ours = steps_per_second("cql", features, batch, args.hidden, args.steps, args.warmup)
-            d3 = steps_per_second("d3rlpy-cql", features, batch, args.hidden, args.steps, args.warmup)
-            bc = steps_per_second("bc", features, batch, args.hidden, args.steps, args.warmup)
-            rows.append([threads, batch, f"{ours:.1f}", f"{d3:.1f}", f"{ours / d3:.2f}x", f"{bc:.1f}"])
+            rate = {
+                label: steps_per_second(algo, features, batch, args.hidden, args.steps, args.warmup, **extra)
+                for label, (algo, extra) in LEARNERS.items()
+            }
+            ours, d3 = rate["CQL (ours, factorised head)"], rate["d3rlpy DiscreteCQL"]
+            rows.append([threads, batch, *(f"{r:.1f}" for r in rate.values()), f"{ours / d3:.2f}x"])
             print(rows[-1], file=sys.stderr, flush=True)
+    widths = f"hidden width {args.hidden} for every learner" if args.hidden else (
+        "each learner at its default width (factorised towers 128, pairwise head 256, d3rlpy 2 x 256, BC 256)")
     table = (
         f"Gradient steps per second on the same features ({features.n_steps} steps, D = 384, "
-        f"V = {args.n_actions} actions, 8 candidates per step), hidden width {args.hidden}, "
-        f"{args.steps} timed steps after {args.warmup} warm-up steps.\n\n"
-        + markdown_table(
-            ["torch threads", "batch", "CQL (ours) steps/s", "d3rlpy DiscreteCQL steps/s", "ours / d3rlpy",
-             "BC steps/s"],
-            rows,
-        )
+        f"V = {args.n_actions} actions, 8 candidates per step), {widths}, "
+        f"{args.steps} timed steps after {args.warmup} warm-up steps, learners one after the other in one process.\n\n"
+        + markdown_table(["torch threads", "batch", *LEARNERS, "factorised / d3rlpy"], rows)
     )
-    write_result("train_speed", "Training speed: our CQL vs d3rlpy DiscreteCQL", table,
-                 "python benchmarks/train_speed.py")
+    name = "train_speed" if args.hidden is None else f"train_speed_hidden{args.hidden}"
+    write_result(name, "Training speed: our CQL vs d3rlpy DiscreteCQL", table,
+                 " ".join(["python benchmarks/train_speed.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":
