@@ -27,7 +27,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def hand_built(pair_dim: int = 0) -> FactorisedQNetwork:
     """D = 4 (so inputs are scaled by sqrt(4) = 2), one head, H = 2, R = 1, G = 1, weights set by hand:
     the state tower reads coordinates 0, 1 and the action tower 2, 3; each tower's first hidden unit is its
-    reduced vector (u or v), the second its term t; q = u v + 2 relu(t(s) + t(a) [- g]) + 0.5."""
+    reduced vector (u or v), the second its term t. Then h1 = relu(3 u v + t(s) + t(a) [- g]),
+    h2 = relu(0.5 h1 - 0.25) and q = 2 h2 + 0.5."""
     net = FactorisedQNetwork(dim=4, hidden=2, n_heads=1, rank=1, pair_hidden=1, pair_dim=pair_dim)
     with torch.no_grad():
         for p in net.parameters():
@@ -36,26 +37,30 @@ def hand_built(pair_dim: int = 0) -> FactorisedQNetwork:
         net.action_tower.first.weight.copy_(T([[0, 0, 1.0, 0], [0, 0, 0, 1.0]]))
         for tower in (net.state_tower, net.action_tower):
             tower.second.copy_(torch.eye(2)[None])  # (K, H, R + G): u = h0, t = h1
-        net.pair_head.out.fill_(2.0)
-        net.pair_head.out_bias.fill_(0.5)
+        head = net.pair_head
+        head.w_product.fill_(3.0)
+        head.second.fill_(0.5)
+        head.second_bias.fill_(-0.25)
+        head.out.fill_(2.0)
+        head.out_bias.fill_(0.5)
         if pair_dim:
-            net.pair_head.w_pair.fill_(-1.0)
+            head.w_pair.fill_(-1.0)
     return net
 
 
-def test_factorised_scores_are_the_dot_product_plus_the_pair_layer_computed_by_hand():
+def test_factorised_scores_are_the_two_pair_layers_over_the_towers_computed_by_hand():
     net = hand_built()
     states = T([[0.5, -0.25, 0, 0], [0, 0.5, 0, 0]])  # x2 -> (1, -0.5): u 1, t 0;  (0, 1): u 0, t 1
     actions = T([[0, 0, 0.5, 0.5], [0, 0, -0.5, 0.25]])  # x2 -> (1, 1): v 1, t 1;  (-1, 0.5): v 0, t 0.5
     q = net.all_heads(states, actions[None].expand(2, -1, -1))  # (K, B, C) = (1, 2, 2)
-    # (s1, a1): 1 * 1 + 2 relu(0 + 1) + 0.5;  (s1, a2): 0 + 2 relu(0 + 0.5) + 0.5
-    # (s2, a1): 0 + 2 relu(1 + 1) + 0.5;      (s2, a2): 0 + 2 relu(1 + 0.5) + 0.5
-    assert torch.equal(q, T([[[3.5, 1.5], [4.5, 3.5]]]))
+    # h1: (s1, a1) 3 + 0 + 1 = 4, (s1, a2) 0 + 0 + 0.5, (s2, a1) 0 + 1 + 1 = 2, (s2, a2) 0 + 1 + 0.5
+    # q = 2 relu(0.5 h1 - 0.25) + 0.5: 4.0, 0.5 (the second layer's ReLU cuts 0), 2.0, 1.5
+    assert torch.equal(q, T([[[4.0, 0.5], [2.0, 1.5]]]))
     grounded = hand_built(pair_dim=1)
-    pair = T([[[1.0], [0.0]], [[3.0], [0.5]]])  # (B, C, P): g enters the pair layer as -g
+    pair = T([[[1.0], [0.0]], [[3.0], [0.5]]])  # (B, C, P): g enters the first pair layer as -g
     q = grounded.all_heads(states, actions[None].expand(2, -1, -1), pair)
-    # (s1, a1): 1 + 2 relu(1 - 1) + 0.5;  (s2, a1): 0 + 2 relu(2 - 3) + 0.5;  (s2, a2): 2 relu(1.5 - 0.5) + 0.5
-    assert torch.equal(q, T([[[1.5, 1.5], [0.5, 2.5]]]))
+    # h1: 4 - 1 = 3, 0.5, relu(2 - 3) = 0, 1.5 - 0.5 = 1 -> q: 3.0, 0.5, 0.5, 1.0
+    assert torch.equal(q, T([[[3.0, 0.5], [0.5, 1.0]]]))
     with pytest.raises(ValueError, match="pass `pair`"):
         grounded.all_heads(states, actions[None].expand(2, -1, -1))
 

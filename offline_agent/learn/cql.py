@@ -75,7 +75,7 @@ class CQLConfig(EncoderTuningSettings):
                   "(pairwise, default 256)"},
     )
     rank: int = field(default=64, metadata={"help": "width R of the towers' outputs (factorised head)"})
-    pair_hidden: int = field(default=32, metadata={"help": "hidden width of the per-pair head (factorised head)"})
+    pair_hidden: int = field(default=32, metadata={"help": "width G of the per-pair layers (factorised head)"})
     n_heads: int = field(default=2, metadata={"help": "Q heads (2 = twin Q with min)"})
     cal_ql: bool = field(default=True, metadata={"help": "floor pushed-down values at the MC return"})
     n_sampled_candidates: int = field(

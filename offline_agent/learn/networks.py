@@ -196,18 +196,24 @@ class Tower(nn.Module):
 
 
 class PairHead(nn.Module):
-    """Per head k: q_k(s, a) = <u_k(s), v_k(a)> + w_k . relu(t_k(s) + t_k(a) [+ W_g,k g]) + c_k.
+    """Per head k, a two-layer MLP of width G over the reduced vectors, with its first layer in blocks:
 
-    The towers give, per state, u (R) and t(s) (G), and per action v (R) and t(a) (G) (`Tower`). The dot
-    product is a low-rank bilinear score, computed for every (state, distinct action) at once; the
-    small ReLU layer of width G lets the pair's grounding g (P) and the two towers' terms interact
-    non-linearly. Per pair and head that is R + G + P x G multiply-adds, and the pair's tensors are G wide.
+        h1 = relu(W_uv (u * v) + t(s) + t(a) [+ W_g g]),   h2 = relu(W_2 h1 + b_2),   q = w . h2 + c
+
+    The towers give, per state, u (R) and t(s) (G), and per action v (R) and t(a) (G) (`Tower`): the
+    first layer's blocks of u and v are computed once per state and per action, and only the product
+    u * v (R) and the grounding g (P) are per pair. Per pair and head that is R x G + G x G (+ P x G)
+    multiply-adds. (A dot-product score <u, v> on top, the two-tower recipe, halved Logistics' success:
+    which action fits a state there is a matter of the grounding, and a bilinear term drowns it.)
     """
 
     def __init__(self, rank: int, width: int, n_heads: int, pair_dim: int = 0):
         super().__init__()
         self.rank = rank
+        self.w_product = _uniform((n_heads, rank, width), rank)  # (K, R, G)
         self.w_pair = _uniform((pair_dim, n_heads * width), pair_dim) if pair_dim else None  # (P, K*G)
+        self.second = _uniform((n_heads, width, width), width)  # (K, G, G)
+        self.second_bias = _uniform((n_heads, 1, width), width)  # (K, 1, G)
         self.out = _uniform((n_heads, width, 1), width)  # (K, G, 1)
         self.out_bias = _uniform((n_heads, 1, 1), width)  # (K, 1, 1)
 
@@ -216,30 +222,29 @@ class PairHead(nn.Module):
     ) -> torch.Tensor:
         """states (K, B, R + G), actions (K, U, R + G), where (B, C) int64 into U, pair (B, C, P) -> (K, B, C)."""
         k, b, _ = states.shape
-        c = where.shape[1]
-        u, t_state = states.split([self.rank, states.shape[2] - self.rank], -1)  # (K, B, R), (K, B, G)
-        v, t_action = actions.split([self.rank, actions.shape[2] - self.rank], -1)  # (K, U, R), (K, U, G)
-        flat = where.reshape(-1)  # (B*C,)
-        dot = torch.bmm(u, v.transpose(1, 2))  # (K, B, R) @ (K, R, U) -> (K, B, U): every pair at once
-        dot = dot.gather(2, where.expand(k, b, c))  # (K, B, U) -> (K, B, C)
-        h = t_action.index_select(1, flat).view(k, b, c, -1) + t_state[:, :, None, :]  # (K, B, C, G)
+        c, r = where.shape[1], self.rank
+        u, t_state = states.split([r, states.shape[2] - r], -1)  # (K, B, R), (K, B, G)
+        pairs = actions.index_select(1, where.reshape(-1)).view(k, b, c, -1)  # (K, U, .) -> (K, B, C, R + G)
+        v, t_action = pairs.split([r, pairs.shape[3] - r], -1)  # (K, B, C, R), (K, B, C, G)
+        product = (u[:, :, None, :] * v).view(k, b * c, r)  # (K, B*C, R)
+        h = torch.bmm(product, self.w_product).view(k, b, c, -1) + t_state[:, :, None, :] + t_action  # (K, B, C, G)
         if self.w_pair is not None:
             if pair is None:
                 raise ValueError("this network scores (state, candidate) pairs with their grounding: pass `pair`")
             # Grounding features are only ever appended: a head trained on the first P reads the first P.
             g = pair[..., : self.w_pair.shape[0]] @ self.w_pair  # (B, C, P) @ (P, K*G) -> (B, C, K*G)
             h = h + g.view(b, c, k, -1).permute(2, 0, 1, 3)  # -> (K, B, C, G)
-        q = torch.baddbmm(self.out_bias, torch.relu(h).view(k, b * c, -1), self.out)  # (K, B*C, 1)
-        return q.view(k, b, c) + dot
+        h = torch.relu(torch.baddbmm(self.second_bias, torch.relu(h).view(k, b * c, -1), self.second))  # (K, B*C, G)
+        return torch.baddbmm(self.out_bias, h, self.out).view(k, b, c)  # (K, B*C, 1) -> (K, B, C)
 
 
 class FactorisedQNetwork(nn.Module):
     """Q(s, a) from a state tower, an action tower and a small per-pair head: K heads, min over heads.
 
     The state tower runs once per state and the action tower once per distinct action (a batch's
-    candidates repeat a small vocabulary), both to width R (+ their linear terms); `PairHead` combines
-    them with the pair's grounding at about R x G multiply-adds per pair and head, where the pairwise
-    `QNetwork` spends D x H + H x H (50x more at the defaults). Same contract as `QNetwork` (`all_heads`,
+    candidates repeat a small vocabulary), both to width R (+ their first-layer terms); `PairHead`
+    combines them with the pair's grounding at R x G + G x G multiply-adds per pair and head, where the
+    pairwise `QNetwork` spends D x H + H x H (about 15x more at the defaults). Same contract as `QNetwork` (`all_heads`,
     `all_heads_by_id`, `q_values`), so CQL, the `Policy` and online fine-tuning take either.
     """
 
