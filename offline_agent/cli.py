@@ -415,6 +415,11 @@ def finetune_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a run already in OUT"),
     vector: str = typer.Option("auto", "--vector", help="auto | sync | process environments"),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: RUN's own]"),
+    encoder_precision: str = typer.Option(
+        "fp32", "--encoder-precision",
+        help="fp32 | bf16: the rollouts' encoder in bfloat16 is ~2x as fast on CPUs with bf16 instructions "
+        "(cosine >= 0.9999 to fp32); a --resume needs the same",
+    ),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     from_scratch: bool = typer.Option(False, "--from-scratch", help="re-initialise the policy (baseline)"),
     validation_episodes: int = typer.Option(
@@ -453,7 +458,7 @@ def finetune_command(
     )
     result = finetune(
         run, env, out, config, safety=safety, resume=resume, overwrite=overwrite, encoder=encoder,
-        progress=sys.stderr.isatty(),
+        encoder_precision=encoder_precision, progress=sys.stderr.isatty(),
     )
     m = result.final_metrics
     console.print(
@@ -559,6 +564,11 @@ def evaluate_command(
     dataset: str | None = typer.Option(None, "--dataset", help="also estimate the value by FQE on its test split"),
     fqe_steps: int = typer.Option(1500, "--fqe-steps", help="FQE gradient steps"),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
+    encoder_precision: str = typer.Option(
+        "fp32", "--encoder-precision",
+        help="fp32 | bf16: the rollouts' encoder in bfloat16 is ~2x as fast on CPUs with bf16 instructions "
+        "(cosine >= 0.9999 to fp32; FQE stays fp32)",
+    ),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     json_output: bool = typer.Option(False, "--json", help="print one JSON object"),
     safety: list[str] = typer.Option(
@@ -579,7 +589,10 @@ def evaluate_command(
     rules = _safety_override(safety, no_safety, env)
     out: dict = {}
     if env is not None:
-        out = evaluate(run, env, episodes=episodes, seed=seed, device=device, encoder=encoder, safety=rules).to_dict()
+        out = evaluate(
+            run, env, episodes=episodes, seed=seed, device=device, encoder=encoder, safety=rules,
+            encoder_precision=encoder_precision,
+        ).to_dict()
     if dataset is not None:
         fqe = off_policy_value(run, dataset, steps=fqe_steps, seed=seed, device=device, encoder=encoder)
         out["fqe"] = fqe.to_dict()

@@ -2,7 +2,7 @@
 
 The offline learner scores (state, action) pairs over frozen text embeddings, so
 every state and action text of a dataset is embedded once and kept. This module
-holds the three pieces that make that reproducible: `render_state`, the one
+holds the pieces that make that reproducible: `render_state`, the one
 function that turns (task, recent turns, observation) into state text, used both
 over logged datasets and at decision time in an environment; `TextEncoder`, a
 transformers encoder loaded from a local folder (mean pooling + L2 norm, the
@@ -10,13 +10,16 @@ sentence-transformers recipe of all-MiniLM-L6-v2) whose `id` names the model
 and its settings; and `EmbeddingCache`, Parquet part files under
 `ROOT/<encoder id>/` keyed by the sha256 of each text, so that a text is never
 encoded twice by the same encoder. The `embed` CLI verb walks a dataset with
-`dataset_texts` and fills the cache at `DATASET/embeddings`.
+`dataset_texts` and fills the cache at `DATASET/embeddings`. Rollouts (evaluation,
+fine-tuning) embed the states they meet through `EmbeddingMemo`, a bounded
+in-memory text -> vector memo that encodes each step's new texts in one call.
 
 Dimension letters: N texts, D embedding width, B a batch, T tokens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -25,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -40,6 +43,9 @@ if TYPE_CHECKING:
 #: Folder of a dataset where the CLI and the learner keep its embedding cache (derived data).
 CACHE_DIRNAME = "embeddings"
 DEFAULT_K = 3
+#: Number formats the encoder's forward pass can run in (`TextEncoder(precision=...)`).
+PRECISIONS = ("fp32", "bf16")
+Precision = Literal["fp32", "bf16"]
 
 # Files whose names and sizes identify a model's weights and tokenizer in the encoder id; hashing
 # 90 MB of weights on every start would cost more than the encoding of a small dataset.
@@ -140,6 +146,16 @@ class TextEncoder:
     its two halves are equal, and the learner's product phi(s) * psi(a) then pairs the action with both
     the whole state and its current observation. The id ends in `-obsview`, so no checkpoint trained on
     one kind of vector is played with the other; the embedding cache keeps one-view vectors for both.
+
+    With `precision="bf16"`, the forward pass runs under bfloat16 autocast (matrix products in bf16, layer
+    norms, softmax and the pooling in fp32): on a 2-core Xeon with AMX, ~200-token state texts in batches of
+    8 encode about twice as fast as in fp32 (benchmarks/results/rollout_speed.md), with a cosine of at least
+    0.9999 to the fp32 vectors (int8 dynamic quantisation of the linear layers was nearly as fast but fell to
+    0.89, so it is not offered). The speed needs bf16 instructions (AVX512-BF16 or AMX); elsewhere bf16 is
+    emulated and gains nothing. Its vectors are not the fp32 ones: the id ends in `-bf16` (the embedding
+    cache keeps them apart, in a folder of their own), and `fp32_id` names the vectors they stand in for,
+    which is how a policy trained on fp32 vectors accepts a bf16 encoder at decision time
+    (`offline_agent.learn.policy.encoder_for`).
     """
 
     def __init__(
@@ -149,6 +165,7 @@ class TextEncoder:
         max_length: int = 256,
         batch_size: int = 64,
         observation_view: bool = False,
+        precision: Precision = "fp32",
     ):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -156,6 +173,8 @@ class TextEncoder:
 
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {batch_size}")
+        if precision not in PRECISIONS:
+            raise UserError(f"--encoder-precision {precision!r} is not one of {', '.join(PRECISIONS)}")
         if max_length < 8:
             raise UserError(f"encoder max_length must be >= 8 tokens, got {max_length}")
         try:
@@ -169,7 +188,8 @@ class TextEncoder:
         bar_was_on = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+            # The fast (Rust) tokenizer: render_state counts the tokens of every state, often several times.
+            self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, use_fast=True)
             model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
         except (OSError, ValueError) as exc:
             first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -191,7 +211,8 @@ class TextEncoder:
         self.max_length = max_length
         self.batch_size = batch_size
         self.observation_view = observation_view
-        self.single_id = encoder_id(folder, max_length)  # the id of one view's vectors: the cache's key
+        self.precision = precision
+        self.model_id = encoder_id(folder, max_length)  # the model and its settings, before `precision`
         self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
 
     def load_tuned_layers(self, state: dict[str, Any], base_id: str | None = None) -> None:
@@ -204,7 +225,7 @@ class TextEncoder:
 
         from offline_agent.learn.encoder_tuning import LAYER_PREFIX, transformer_layers, tuned_encoder_id
 
-        if base_id is not None and base_id != self.id:
+        if base_id is not None and base_id != self.fp32_id:
             raise UserError(
                 f"the tuned encoder layers were trained on top of encoder {base_id}, but this encoder is "
                 f"{self.id}: pass --encoder PATH to the model the policy was trained with"
@@ -219,7 +240,7 @@ class TextEncoder:
             top.load_state_dict({key[len(LAYER_PREFIX) :]: t for key, t in state.items()}, strict=True)
         except RuntimeError as exc:
             raise UserError(f"tuned encoder layers do not fit encoder {self.id}: {str(exc).splitlines()[0]}") from None
-        self.single_id = tuned_encoder_id(self.single_id, state)
+        self.model_id = tuned_encoder_id(self.model_id, state)
         self.tuned_layers = n_top
 
     def single_view(self) -> TextEncoder:
@@ -232,8 +253,18 @@ class TextEncoder:
         return plain
 
     @property
+    def single_id(self) -> str:
+        """The id of one view's vectors: the embedding cache's key."""
+        return self.model_id + ("-bf16" if self.precision == "bf16" else "")
+
+    @property
     def id(self) -> str:
         return self.single_id + ("-obsview" if self.observation_view else "")
+
+    @property
+    def fp32_id(self) -> str:
+        """The id this encoder has in fp32: the vectors its own stand in for (its `id` when in fp32)."""
+        return self.model_id + ("-obsview" if self.observation_view else "")
 
     @property
     def dim(self) -> int:
@@ -256,30 +287,47 @@ class TextEncoder:
         import torch
 
         out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
-        with _progress(progress, len(texts), "encoding") as advance, torch.inference_mode():
+        with _progress(progress, len(texts), "encoding") as advance, torch.inference_mode(), self._autocast():
             for idx, batch in self.tokenized_batches(texts):
-                hidden = self.model(**batch).last_hidden_state  # (B, T, D)
-                out[idx] = mean_pool(hidden, batch["attention_mask"]).float().cpu().numpy()
+                hidden = self.model(**batch).last_hidden_state.float()  # (B, T, D)
+                out[idx] = mean_pool(hidden, batch["attention_mask"]).cpu().numpy()
                 advance(len(idx))
         return out
 
+    def _autocast(self) -> Any:
+        import torch
+
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16)
+
     def tokenized_batches(self, texts: Sequence[str]) -> Iterator[tuple[list[int], Any]]:
-        """(positions in `texts`, tokenized batch on the encoder's device), `batch_size` texts at a time,
+        """(positions in `texts`, tokenized batch on the encoder's device), up to `batch_size` texts at a time,
         cut at `max_length` tokens.
 
         Longest first, so that each batch pads to similar lengths (less wasted compute), as
-        sentence-transformers does; callers write results back to the positions given.
+        sentence-transformers does; and a batch also ends before a text less than half as long (in characters)
+        as its first, so that the short candidate texts a rollout step encodes beside its states are not
+        padded to a state's length. Callers write results back to the positions given.
         """
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        for start in range(0, len(texts), self.batch_size):
-            idx = order[start : start + self.batch_size]
+        start = 0
+        while start < len(order):
+            end = min(start + self.batch_size, len(order))
+            longest = len(texts[order[start]])
+            end = next((j for j in range(start + 1, end) if 2 * len(texts[order[j]]) < longest), end)
+            idx = order[start:end]
             batch = self.tokenizer(
                 [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
             )
             yield idx, batch.to(self.device)
+            start = end
 
     def __repr__(self) -> str:
-        return f"TextEncoder({self.id!r}, dim={self.dim}, max_length={self.max_length}, device={self.device})"
+        return (
+            f"TextEncoder({self.id!r}, dim={self.dim}, max_length={self.max_length}, device={self.device}, "
+            f"precision={self.precision})"
+        )
 
 
 def mean_pool(hidden: Any, attention_mask: Any) -> Any:
@@ -583,6 +631,7 @@ class EmbeddingCache:
             "path": self.single.path,
             "dim": self.single.dim,
             "max_length": self.single.max_length,
+            "precision": getattr(self.single, "precision", "fp32"),
             "pooling": "mean",
             "normalize": "l2",
         }
@@ -592,3 +641,113 @@ class EmbeddingCache:
 
     def __repr__(self) -> str:
         return f"EmbeddingCache({str(self.folder)!r}, parts={len(self.parts())})"
+
+
+# --- memo ------------------------------------------------------------------------------------------
+
+#: Texts an `EmbeddingMemo` keeps by default: ~75 MB of 384-d vectors plus the texts (a state text is ~1 KB),
+#: more than a 24-iteration fine-tuning run or a few thousand evaluation episodes meet.
+DEFAULT_MEMO_ENTRIES = 50_000
+
+
+class EmbeddingMemo:
+    """Text -> vector memo of one encoder, in memory, bounded: past `max_entries` texts the least recently
+    used one is dropped.
+
+    Rollouts meet each state text once or a few times and the same candidate texts over and over, and the
+    encoder is most of their cost. `embed(texts)` hands the distinct texts it has not seen to the encoder in
+    one `encode` call: the states of all environments of a step go through one padded forward pass, which
+    on CPU encodes several times as many texts per second as one text at a time. A text's vector then depends
+    (by ~1e-7, padding changes the kernels' shapes) on which texts were new together with it; what a run
+    needs to repeat itself bit for bit is the memo's whole state, which `arrays()` and `load_arrays` carry
+    (fine-tuning saves it with each resume checkpoint).
+
+    `store` is the text -> vector dict to keep them in (least recently used first), to share one memo's
+    vectors between several (policies compared on the same episodes meet the same states); by default
+    its own. `hits` and `misses` count distinct texts found and encoded, `encoder_calls` the encoder calls,
+    `evicted` the texts dropped to stay within the bound.
+    """
+
+    def __init__(self, encoder: Any, max_entries: int = DEFAULT_MEMO_ENTRIES, store: dict[str, Any] | None = None):
+        if max_entries < 1:
+            raise ValueError(f"an embedding memo holds at least 1 text, got max_entries={max_entries}")
+        self.encoder = encoder
+        self.max_entries = max_entries
+        self.vectors: dict[str, np.ndarray] = {} if store is None else store
+        self.hits = self.misses = self.encoder_calls = self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self.vectors)
+
+    def __contains__(self, text: object) -> bool:
+        return text in self.vectors
+
+    def __getitem__(self, text: str) -> np.ndarray:
+        """The vector of a text in the memo (KeyError if it is not); a look, not a use: no count, no reordering."""
+        return self.vectors[text]
+
+    def embed(self, texts: Sequence[str]) -> np.ndarray:
+        """(N, D) float32 vectors of `texts` in their order; the texts not in the memo are encoded together."""
+        texts = list(texts)
+        distinct = list(dict.fromkeys(texts))
+        vectors = self.vectors
+        found: dict[str, np.ndarray] = {}
+        for text in distinct:
+            vector = vectors.pop(text, None)
+            if vector is not None:
+                found[text] = vectors[text] = vector  # re-inserted: now the most recently used
+        missing = [t for t in distinct if t not in found]
+        self.hits += len(found)
+        if missing:
+            encoded = np.asarray(self.encoder.encode(missing), dtype=np.float32)  # (M, D)
+            self.encoder_calls += 1
+            self.misses += len(missing)
+            for text, vector in zip(missing, encoded, strict=True):
+                # A copy: a view would keep the whole batch's array alive until its last row is evicted.
+                found[text] = vectors[text] = vector.copy()
+            self._evict()
+        if not texts:
+            return np.zeros((0, self.encoder.dim), dtype=np.float32)
+        return np.stack([found[t] for t in texts])
+
+    def _evict(self) -> None:
+        # A dict keeps insertion order and every use re-inserts: the first key is the least recently used.
+        while len(self.vectors) > self.max_entries:
+            del self.vectors[next(iter(self.vectors))]
+            self.evicted += 1
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The memo as arrays, least recently used first: `texts` (UTF-8 bytes, uint8), `offsets` (N + 1,
+        int64: text i is texts[offsets[i]:offsets[i + 1]]) and `vectors` (N, D) float32."""
+        encoded = [t.encode("utf-8", errors="surrogatepass") for t in self.vectors]
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(b) for b in encoded])
+        width = int(self.encoder.dim)
+        stacked = np.stack(list(self.vectors.values())) if self.vectors else np.zeros((0, width), np.float32)
+        return {
+            "texts": np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(),
+            "offsets": offsets,
+            "vectors": stacked.astype(np.float32, copy=False),
+        }
+
+    def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Replace the memo's texts and vectors (and their order) with those of `arrays()`."""
+        raw = np.asarray(arrays["texts"], dtype=np.uint8).tobytes()
+        offsets = np.asarray(arrays["offsets"], dtype=np.int64)
+        vectors = np.asarray(arrays["vectors"], dtype=np.float32)
+        if len(offsets) != len(vectors) + 1 or (len(vectors) and vectors.shape[1] != self.encoder.dim):
+            raise ValueError(
+                f"memo arrays of {len(offsets) - 1} texts and {vectors.shape} vectors do not fit a "
+                f"{self.encoder.dim}-d encoder"
+            )
+        self.vectors.clear()
+        for i, vector in enumerate(vectors):
+            text = raw[offsets[i] : offsets[i + 1]].decode("utf-8", errors="surrogatepass")
+            self.vectors[text] = vector.copy()
+        self._evict()
+
+    def __repr__(self) -> str:
+        return (
+            f"EmbeddingMemo({len(self)}/{self.max_entries} texts, hits={self.hits}, misses={self.misses}, "
+            f"encoder_calls={self.encoder_calls}, evicted={self.evicted})"
+        )

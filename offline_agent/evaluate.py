@@ -5,7 +5,12 @@ as `behaviour:SPEC`, e.g. `behaviour:noisy:0.5`) for N episodes; episode i
 resets the environment with `simulate.episode_seed(seed, i)`, the same seeds
 `offline-agent simulate` uses, so a policy and the logs' behaviour policy can
 be compared on identical tasks. A learned policy plays several environments in
-lockstep so that each decision round costs one encoder call.
+lockstep so that each decision round costs one encoder call: the states of all
+its episodes (and candidates not seen before) go through one padded batch, and
+the texts seen before come from its bounded memo (`EmbeddingMemo`). With
+`encoder_precision="bf16"` the encoder runs in bfloat16 (`TextEncoder`), about
+twice as fast on CPUs with bf16 instructions, for a policy trained on fp32
+vectors too.
 
 `summarize` turns the episodes into the report: success rate with its 95%
 Wilson interval, mean return (and discounted return, what FQE estimates), mean
@@ -288,6 +293,7 @@ def evaluate(
     encoder: Any = None,
     n_envs: int = 16,
     safety: str | Sequence[str] | None = None,
+    encoder_precision: str = "fp32",
 ) -> EvalReport:
     """Success rate (95% Wilson interval), returns, steps and recovery of a run's policy in `env`.
 
@@ -295,7 +301,7 @@ def evaluate(
     (`behaviour:noisy:0.5`, `behaviour:expert`, ...). `safety` is the filter the rollouts run behind (specs
     as in `offline_agent.online.safety`): None applies the rules saved with the run (a fine-tuned run's
     `--safety`; an offline run or a behaviour policy has none), a spec or list of specs replaces them, and
-    `()` evaluates without any.
+    `()` evaluates without any. `encoder_precision` is the rollouts' encoder's ("fp32" or "bf16").
     """
     run_s = str(run)
     rules = SafetyFilter.from_spec(safety)  # first, so that a bad spec fails before a model is loaded
@@ -306,7 +312,7 @@ def evaluate(
     else:
         from offline_agent.learn.policy import Policy
 
-        policy = Policy.load(run, encoder=encoder, device=device)
+        policy = Policy.load(run, encoder=encoder, device=device, precision=encoder_precision)
         gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
         name = f"{policy.algo} ({run_s})"
         if safety is None:

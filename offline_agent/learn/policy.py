@@ -10,14 +10,17 @@ Both are written to temporary names and renamed, the JSON last, so a reader
 sees a whole checkpoint or none. `Policy.load` rebuilds the network from the
 JSON, loads the tensors, and refuses (UserError) an encoder other than the one
 the policy was trained with: its values would be computed on vectors it has
-never seen.
+never seen. The one exception is deliberate: the same model run in bf16
+(`--encoder-precision bf16`), whose vectors are within 1e-4 of cosine of the
+fp32 ones (`encoder_for`).
 
 `Policy.act(observation)` plays in an environment whose observations are
 `{"text", "candidates"}` dicts: it keeps the episode's turns, renders the state
 with `offline_agent.embed.render_state` exactly as the training states were
-rendered, embeds state and candidates, and returns the index of the best
-candidate. `Policy.score(state_text, candidates)` ranks the actions an LLM
-proposes (strings or tool-call dicts).
+rendered, embeds state and candidates (through a bounded memo, `EmbeddingMemo`,
+that encodes the new texts of a decision round in one call), and returns the
+index of the best candidate. `Policy.score(state_text, candidates)` ranks the
+actions an LLM proposes (strings or tool-call dicts).
 
 `act` chooses among the candidates it is given: the safety rules a fine-tuned
 policy was trained under (`Policy.safety`) are applied by the environment, as
@@ -49,6 +52,7 @@ from offline_agent.learn.grounding import grounding_batch
 from offline_agent.learn.networks import build_network
 
 if TYPE_CHECKING:
+    from offline_agent.embed import EmbeddingMemo
     from offline_agent.online.safety import SafetyFilter
 
 FORMAT = "offline-agent-policy"
@@ -134,17 +138,26 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Mod
 
 
 def encoder_for(
-    meta: dict[str, Any], encoder: Any = None, device: str = "cpu", folder: str | Path | None = None
+    meta: dict[str, Any],
+    encoder: Any = None,
+    device: str = "cpu",
+    folder: str | Path | None = None,
+    precision: str = "fp32",
 ) -> Any:
     """The encoder a checkpoint was trained with: `encoder` if given (an encoder, or a model folder loaded
     with the checkpoint's settings), else loaded from the recorded path (or the packaged default when that
     path is absent here), with the checkpoint's tuned top layers (read from `folder`) if it has them. A
-    different encoder id is a UserError."""
+    different encoder id is a UserError.
+
+    `precision` is the number format of an encoder loaded here (`TextEncoder(precision=...)`). A bf16 encoder
+    is accepted for a policy trained on the fp32 vectors of the same model (its `fp32_id`): at decision time
+    its vectors stand in for them (cosine >= 0.9999). Not the other way round, and never a different model."""
     wanted = meta.get("encoder")
     if not isinstance(wanted, dict) or "id" not in wanted:
         raise UserError("the checkpoint's policy.json names no encoder (encoder.id): retrain it with this version")
     tuned = wanted.get("tuned")
-    if isinstance(encoder, str | Path) or encoder is None or (tuned and encoder.id == tuned.get("base_id")):
+    given = encoder is not None and not isinstance(encoder, str | Path)
+    if not given or (tuned and getattr(encoder, "fp32_id", encoder.id) == tuned.get("base_id")):
         # A tuned policy is given its base encoder (e.g. by `evaluate --encoder`): a copy gets the layers.
         from offline_agent.embed import TextEncoder
 
@@ -158,12 +171,14 @@ def encoder_for(
             device=device,
             max_length=int(wanted.get("max_length") or 256),
             observation_view=bool(wanted.get("observation_view")),
+            precision=getattr(encoder, "precision", "fp32") if given else precision,
         )
         if tuned:
             if folder is None:
                 raise ValueError("a tuned encoder's layers are read from the checkpoint folder: pass `folder`")
             encoder.load_tuned_layers(tuned_layers(folder, meta), base_id=tuned.get("base_id"))
-    if encoder.id != wanted["id"]:
+    stands_in = getattr(encoder, "precision", "fp32") == "bf16" and getattr(encoder, "fp32_id", None) == wanted["id"]
+    if encoder.id != wanted["id"] and not stands_in:
         raise UserError(
             f"this policy was trained on embeddings of encoder {wanted['id']} (from {wanted.get('path')}), "
             f"but the encoder available is {encoder.id}: pass --encoder PATH to the model it was trained with, "
@@ -206,10 +221,13 @@ class Policy:
         greedy: bool = True,
         seed: int = 0,
         device: str = "cpu",
-        memo: dict[str, np.ndarray] | None = None,
+        memo: EmbeddingMemo | dict[str, np.ndarray] | None = None,
     ):
-        """`memo` (text -> embedding) may be shared by policies with the same encoder, e.g. when comparing
-        several on the same episodes: their states often coincide."""
+        """`memo` may be shared by policies with the same encoder, e.g. when comparing several on the same
+        episodes: their states often coincide. It is an `EmbeddingMemo` of `encoder`, or a dict (text ->
+        vector) that a memo of this policy's own keeps its vectors in; by default the policy has its own."""
+        from offline_agent.embed import EmbeddingMemo
+
         self.network = network.to(device).eval()
         self.encoder = encoder
         self.meta = meta
@@ -221,15 +239,24 @@ class Policy:
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
         self.history = EpisodeHistory()
-        self._memo: dict[str, np.ndarray] = {} if memo is None else memo
+        if isinstance(memo, EmbeddingMemo) and memo.encoder is not encoder:
+            raise ValueError(f"the memo passed holds vectors of {memo.encoder!r}, not of this policy's {encoder!r}")
+        self.memo = memo if isinstance(memo, EmbeddingMemo) else EmbeddingMemo(encoder, store=memo)
 
     @classmethod
     def load(
-        cls, path: str | Path, encoder: Any = None, device: str = "cpu", greedy: bool = True, seed: int = 0
+        cls,
+        path: str | Path,
+        encoder: Any = None,
+        device: str = "cpu",
+        greedy: bool = True,
+        seed: int = 0,
+        precision: str = "fp32",
     ) -> Policy:
-        """The policy of a checkpoint (run folder or its policy.json); see `encoder_for` for the encoder."""
+        """The policy of a checkpoint (run folder or its policy.json); see `encoder_for` for the encoder and
+        `precision`."""
         network, meta = load_checkpoint(path, device)
-        encoder = encoder_for(meta, encoder, device, folder=checkpoint_dir(path))
+        encoder = encoder_for(meta, encoder, device, folder=checkpoint_dir(path), precision=precision)
         return cls(network, encoder, meta, greedy=greedy, seed=seed, device=device)
 
     @property
@@ -251,13 +278,9 @@ class Policy:
     # --- embeddings --------------------------------------------------------------------------------
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """(N, D) float32 embeddings, each distinct text encoded once per policy (candidates repeat a lot)."""
-        missing = list(dict.fromkeys(t for t in texts if t not in self._memo))
-        if missing:
-            if len(self._memo) > 200_000:  # bound memory over very long evaluations
-                self._memo.clear()
-            self._memo.update(zip(missing, self.encoder.encode(missing), strict=True))
-        return np.stack([self._memo[t] for t in texts]) if texts else np.zeros((0, self.encoder.dim), np.float32)
+        """(N, D) float32 embeddings through the policy's memo: the texts it has not seen (states of every
+        episode played in lockstep, new candidates) are encoded in one call, those it has are not encoded."""
+        return self.memo.embed(texts)
 
     def render(self, history: EpisodeHistory, observation_text: str) -> str:
         from offline_agent.embed import render_state

@@ -18,7 +18,9 @@ The run folder RUN2 holds
 
 Resume state: one safetensors file, replaced atomically (tmp + os.replace), with
 the model (policy and value heads), the Adam state, the self-imitation buffer
-(with `self_imitation` on), the kept policy head (with validation on), every random-number state
+(with `self_imitation` on), the kept policy head (with validation on), the text -> vector
+memos of the rollouts and of the validation episodes (texts as UTF-8 bytes and offsets, vectors,
+least recently used first), every random-number state
 (torch's global RNG and the trainer's generator as uint8 tensors, numpy's and
 Python's global RNGs) and, in its JSON metadata, the iteration, env steps, the
 KL controller and the settings that must not change across a resume. Nothing is
@@ -87,6 +89,7 @@ def finetune(
     resume: bool = False,
     overwrite: bool = False,
     encoder: Any = None,
+    encoder_precision: str = "fp32",
     progress: bool = False,
     on_iteration: OnIteration | None = None,
 ) -> FinetuneResult:
@@ -94,6 +97,8 @@ def finetune(
 
     `safety` is a safety-filter spec (see `offline_agent.online.safety`); `resume` continues `out` from its
     last checkpoint (the other arguments must match the interrupted run's, except `config.iterations`).
+    `encoder_precision` "bf16" runs the rollouts' encoder in bfloat16 (`TextEncoder`); the fine-tuned policy
+    keeps the offline checkpoint's encoder, and plays with either.
     """
     from offline_agent.learn.policy import CONFIG_FILE, Policy, checkpoint_dir, save_checkpoint, tuned_layers
 
@@ -109,7 +114,7 @@ def finetune(
     if not resume and not overwrite and (state_path.exists() or (out / CONFIG_FILE).exists()):
         raise UserError(f"{out} already holds a run: pass --resume to continue it, --overwrite, or another --out")
 
-    reference = Policy.load(source, encoder=encoder, device=config.device)
+    reference = Policy.load(source, encoder=encoder, device=config.device, precision=encoder_precision)
     if reference.meta.get("network", {}).get("kind") is None:
         raise UserError(f"{source} has no network description in policy.json: retrain it with this offline-agent")
     identity = {
@@ -184,6 +189,7 @@ def finetune(
         "env_steps": trainer.env_steps,
         "seconds_this_process": round(seconds, 3),
         "resumed_from": resumed_from,
+        "encoder_precision": getattr(reference.encoder, "precision", "fp32"),
         "texts_encoded_this_process": trainer.featurizer.encoded,
         "validation": None if selector is None else selector.describe(),
         "final_metrics": final,
@@ -227,6 +233,10 @@ def save_state(
     if selector is not None:
         selected, selection = selector.state()
         tensors |= selected
+    # The text -> vector memos: a text's vector depends by ~1e-7 on which texts were encoded with it, so a resumed
+    # run needs the very vectors (and the same memo contents, which decide the batches) to repeat itself.
+    for name, memo in _memos(trainer, selector).items():
+        tensors |= {f"memo/{name}/{k}": torch.from_numpy(v) for k, v in memo.arrays().items()}
     tensors["rng/torch"] = torch.get_rng_state()
     tensors["rng/generator"] = trainer.generator.get_state()
     np_kind, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
@@ -280,10 +290,19 @@ def load_state(
     random.setstate((py_version, tuple(py_state), py_gauss))
     if selector is not None:  # _check_same_run made sure the interrupted run validated too
         selector.load(tensors, state["validation"], trainer.model.policy_head)
+    for name, memo in _memos(trainer, selector).items():  # a checkpoint from before memos were saved has none
+        prefix = f"memo/{name}/"
+        if f"{prefix}vectors" in tensors:
+            memo.load_arrays({k[len(prefix) :]: v.numpy() for k, v in tensors.items() if k.startswith(prefix)})
     trainer.kl_controller.beta = float(state["kl_controller"]["beta"])
     trainer.iteration = int(state["iteration"])
     trainer.env_steps = int(state["env_steps"])
     return trainer.iteration
+
+
+def _memos(trainer: PPOTrainer, selector: PolicySelector | None) -> dict[str, Any]:
+    """The run's text -> vector memos by name: the rollouts' and the validation episodes'."""
+    return {"rollout": trainer.featurizer.memo, **({} if selector is None else {"validation": selector.memo})}
 
 
 def _check_same_run(path: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
@@ -292,7 +311,8 @@ def _check_same_run(path: Path, saved: dict[str, Any], identity: dict[str, Any])
     if saved["encoder_id"] != identity["encoder_id"]:
         raise UserError(
             f"{path.parent} was fine-tuned on embeddings of encoder {saved['encoder_id']}, but the checkpoint and "
-            f"encoder given now use {identity['encoder_id']}: resume with the same RUN and --encoder"
+            f"encoder given now use {identity['encoder_id']}: resume with the same RUN, --encoder and "
+            "--encoder-precision"
         )
     for key, flag in (("source_weights_sha256", "RUN"), ("env", "--env"), ("safety", "--safety")):
         if saved[key] != identity[key]:

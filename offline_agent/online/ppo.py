@@ -210,10 +210,14 @@ episodes run on across iterations, but every `checkpoint_every` iterations (and
 only there) the environments are re-seeded from (seed, iteration) and reset (an
 episode cut there is bootstrapped with V), so no environment state has to
 survive a checkpoint and a resumed run resets exactly where the uninterrupted
-one did; each text
-is embedded alone, never in a padded batch, so its vector does not depend on
-which other texts happened to be new at the same step (after a resume the
-in-memory cache is empty and the new-text batches differ). With those, a resumed
+one did. The new texts of a step (every environment's state, new candidates)
+are embedded in one padded batch, and a text's vector depends by ~1e-7 on which
+texts were new with it (padding changes the kernels' shapes), that is on what
+the run's text -> vector memo held; so the memo (`Featurizer.memo`, bounded) is
+saved with each checkpoint and restored on resume, and the resumed run meets the
+very vectors and the same batches. (Encoding each text alone, as rollouts did
+before, kept the vectors independent of the memo, but rolls out slower with
+several environments: benchmarks/results/rollout_speed.md.) With those, a resumed
 run repeats an uninterrupted one bit for bit (see `finetune.py`).
 
 Dimension letters: T rollout steps per environment, N environments, B rows (T * N or a minibatch),
@@ -586,11 +590,13 @@ def fresh_like(network: nn.Module, seed: int) -> nn.Module:
 class Featurizer:
     """Observations of N environments as tensors, rendered exactly as the offline policy renders states.
 
-    Keeps each environment's episode history (task, turns) and an in-memory text -> vector memo: candidate
-    texts and early states repeat a lot, and the encoder is the slowest thing in a rollout.
+    Keeps each environment's episode history (task, turns) and a bounded text -> vector memo
+    (`offline_agent.embed.EmbeddingMemo`): candidate texts and early states repeat a lot, and the encoder is
+    the slowest thing in a rollout. The memo is part of a run's resume state (see the module docstring).
     """
 
     def __init__(self, reference: Any, num_envs: int, max_candidates: int):
+        from offline_agent.embed import EmbeddingMemo
         from offline_agent.learn.policy import EpisodeHistory
 
         self.reference = reference
@@ -598,8 +604,12 @@ class Featurizer:
         self.max_candidates = max_candidates
         self.dim = int(reference.encoder.dim)
         self.grounded = bool(getattr(reference.network, "pair_dim", 0))  # the policy reads each pair's grounding
-        self.memo: dict[str, np.ndarray] = {}
-        self.encoded = 0
+        self.memo = EmbeddingMemo(reference.encoder)
+
+    @property
+    def encoded(self) -> int:
+        """Texts encoded by this process (a resumed run's memo arrives filled)."""
+        return self.memo.misses
 
     def start(self, env: int, task: str | None) -> None:
         from offline_agent.learn.policy import EpisodeHistory
@@ -610,12 +620,8 @@ class Featurizer:
         self.histories[env].turns.append((observation_text, action_text))
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """(len(texts), D) float32; each new text encoded alone (see the module docstring: determinism)."""
-        for text in dict.fromkeys(texts):
-            if text not in self.memo:
-                self.memo[text] = self.reference.encoder.encode([text])[0]
-                self.encoded += 1
-        return np.stack([self.memo[t] for t in texts])
+        """(len(texts), D) float32; the texts new to the memo are encoded in one call (one padded batch)."""
+        return self.memo.embed(texts)
 
     def tensors(self, observations: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
         """state (N, D), cands (N, C, D), mask (N, C) and pair (N, C, P) (None unless the policy is grounded)

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from offline_agent.embed import EmbeddingMemo
+
 #: Where validation episodes start by default (`episode_seed(VALIDATION_SEED, i)`).
 VALIDATION_SEED = 2000
 
@@ -83,8 +85,9 @@ class PolicySelector:
         self.kept_successes = -1
         self.env_steps = 0
         self.history: list[tuple[int, int]] = []  # (iteration, successes)
-        # States recur across validations (same seeds, a policy that changes little): encode each once.
-        self._memo: dict[str, Any] = {}
+        # States recur across validations (same seeds, a policy that changes little): encode each once. Saved
+        # with a run's resume state, like the rollouts' memo: a text's vector depends on its batch by ~1e-7.
+        self.memo = EmbeddingMemo(reference.encoder)
 
     def play(self, head: torch.nn.Module) -> tuple[int, int]:
         """(successes, env steps) of `head` played greedily on the validation episodes (`Policy` puts it in
@@ -92,7 +95,7 @@ class PolicySelector:
         from offline_agent.evaluate import rollout_policy
         from offline_agent.learn.policy import Policy
 
-        policy = Policy(head, self.reference.encoder, self.reference.meta, memo=self._memo)
+        policy = Policy(head, self.reference.encoder, self.reference.meta, memo=self.memo)
         outcomes = rollout_policy(self.env, policy, self.episodes, self.seed, safety=self.safety)
         return sum(o.success for o in outcomes), sum(o.steps for o in outcomes)
 

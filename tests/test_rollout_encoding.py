@@ -1,0 +1,239 @@
+"""How rollouts embed their states: in one batch per decision round, through a bounded memo, optionally in bf16.
+
+Real components throughout: the packaged MiniLM (`TextEncoder`), PipelineRepair-v0, and a small CQL policy
+trained on six episodes of the bundled PipelineRepair logs. A batched and a one-text-at-a-time encoder give
+vectors ~1e-7 apart (padding changes the kernels' shapes), so a greedy policy must act the same with both;
+fine-tuning saves its memo with each checkpoint, so that a resumed run meets the very vectors.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import learn_data
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from offline_agent.cli import app
+from offline_agent.embed import EmbeddingCache, EmbeddingMemo, TextEncoder, dataset_texts, text_hash
+from offline_agent.errors import UserError
+from offline_agent.evaluate import rollout_policy
+from offline_agent.learn.policy import Policy, encoder_for
+from offline_agent.online.finetune import STATE_FILE, finetune
+from offline_agent.online.ppo import PPOConfig, PPOTrainer
+
+REPO = Path(__file__).resolve().parents[1]
+PIPELINE = "offline_agent/PipelineRepair-v0"
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def pipeline(tmp_path_factory):
+    """{"data": six bundled PipelineRepair episodes ingested, "run": CQL trained 20 steps on them}."""
+    from offline_agent.ingest import ingest
+    from offline_agent.learn.train import train
+
+    root = tmp_path_factory.mktemp("pipeline")
+    lines = (REPO / "datasets" / "pipeline" / "logs.jsonl").read_text().splitlines(keepends=True)
+    (root / "logs.jsonl").write_text("".join(lines[:6]))
+    ingest([root / "logs.jsonl"], root / "data")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(root / "data", "cql", root / "run", steps=20, batch_size=16, seed=0, encoder=learn_data.encoder())
+    finally:
+        torch.set_num_threads(threads)
+    return {"data": root / "data", "run": root / "run"}
+
+
+@pytest.fixture(autouse=True)
+def one_thread(one_torch_thread):
+    yield
+
+
+class ForwardPasses:
+    """The batch sizes of an encoder's forward passes, in order."""
+
+    def __init__(self, encoder: TextEncoder):
+        self.sizes: list[int] = []
+        encoder.model.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module, args, kwargs) -> None:
+        self.sizes.append(int(kwargs["input_ids"].shape[0]))
+
+
+def _recorded(policy: Policy, episodes: int) -> tuple[list[list[int]], list]:
+    """(the indices chosen in each decision round, the outcomes) of `episodes` lockstep episodes from seed 0."""
+    rounds: list[list[int]] = []
+    act = policy.act_batch
+
+    def recording(histories, observations):
+        chosen = act(histories, observations)
+        rounds.append(chosen)
+        return chosen
+
+    policy.act_batch = recording
+    return rounds, rollout_policy(PIPELINE, policy, episodes, seed=0, n_envs=episodes)
+
+
+def test_lockstep_evaluation_encodes_a_rounds_states_together_and_acts_as_one_text_at_a_time(pipeline):
+    batched = Policy.load(pipeline["run"])
+    alone = Policy.load(pipeline["run"], encoder=TextEncoder(batch_size=1))
+    passes_batched, passes_alone = ForwardPasses(batched.encoder), ForwardPasses(alone.encoder)
+    rounds, outcomes = _recorded(batched, episodes=3)
+    assert (rounds, outcomes) == _recorded(alone, episodes=3)
+    assert sum(o.steps for o in outcomes) >= 12
+    # One encoder call per decision round at most; a round's new states share a forward pass.
+    assert batched.memo.encoder_calls <= len(rounds) and 3 in passes_batched.sizes
+    assert set(passes_alone.sizes) == {1} and len(passes_alone.sizes) == alone.memo.misses
+    assert len(passes_batched.sizes) < len(passes_alone.sizes) / 2
+    # The candidates recur: most of what a round embeds comes from the memo.
+    assert batched.memo.hits > batched.memo.misses == len(batched.memo)
+    shared = list(batched.memo.vectors)
+    np.testing.assert_allclose(batched.memo.embed(shared), alone.memo.embed(shared), atol=1e-5, rtol=0)
+
+
+def test_fine_tuning_rollouts_encode_a_steps_states_together_and_sample_as_one_text_at_a_time(pipeline):
+    config = PPOConfig(num_envs=3, num_steps=5, vector="sync", seed=0)
+    trainers = [
+        PPOTrainer(Policy.load(pipeline["run"]), PIPELINE, config),
+        PPOTrainer(Policy.load(pipeline["run"], encoder=TextEncoder(batch_size=1)), PIPELINE, config),
+    ]
+    try:
+        passes = [ForwardPasses(t.reference.encoder) for t in trainers]
+        with torch.no_grad():
+            for trainer in trainers:
+                trainer.collect_rollout(beta=0.1)
+        batched, alone = trainers
+        assert torch.equal(batched.actions, alone.actions)
+        torch.testing.assert_close(batched.obs_state, alone.obs_state, atol=1e-5, rtol=0)
+        # One encoder call per step at most (states, and new candidates in a pass of their own).
+        assert batched.featurizer.memo.encoder_calls <= config.num_steps
+        assert set(passes[1].sizes) == {1} and len(passes[0].sizes) < len(passes[1].sizes) / 2
+        assert batched.featurizer.encoded == alone.featurizer.encoded == len(batched.featurizer.memo)
+    finally:
+        for trainer in trainers:
+            trainer.close()
+
+
+def test_the_memo_encodes_only_new_texts_in_one_call_and_forgets_the_least_recently_used():
+    encoder = learn_data.encoder()
+    texts = ['{"name": "retry", "arguments": {"stage": "load"}}', "[obs] the load stage failed", "Task: fix it"]
+    a, b, c = texts
+    memo = EmbeddingMemo(encoder, max_entries=3)
+    first = memo.embed([a, b, a])
+    assert (memo.encoder_calls, memo.misses, memo.hits, len(memo)) == (1, 2, 0, 2)
+    np.testing.assert_array_equal(first[0], first[2])
+    np.testing.assert_allclose(first, encoder.encode([a, b, a]), atol=1e-6, rtol=0)
+    memo.embed([b, c])  # b is used again: a is now the least recently used
+    assert (memo.encoder_calls, memo.misses, memo.hits) == (2, 3, 1)
+    memo.embed([b, c, b])  # nothing new: no encoder call
+    assert (memo.encoder_calls, memo.hits) == (2, 3)
+    memo.embed(["a fourth text"])
+    assert a not in memo and len(memo) == 3 and memo.evicted == 1
+    assert list(memo.vectors) == [b, c, "a fourth text"]
+    memo.embed([a])
+    assert memo.misses == 5 and b not in memo
+    assert memo.embed([]).shape == (0, encoder.dim)
+
+
+def test_a_memo_round_trips_through_arrays_in_order_and_bit_for_bit():
+    encoder = learn_data.encoder()
+    memo = EmbeddingMemo(encoder)
+    memo.embed(["first", "second, café ✓", "third"])
+    memo.embed(["first"])
+    restored = EmbeddingMemo(encoder)
+    restored.load_arrays(memo.arrays())
+    assert list(restored.vectors) == list(memo.vectors) == ["second, café ✓", "third", "first"]
+    for text, vector in memo.vectors.items():
+        np.testing.assert_array_equal(restored.vectors[text], vector)
+    small = EmbeddingMemo(encoder, max_entries=2)
+    small.load_arrays(memo.arrays())  # keeps the most recently used
+    assert list(small.vectors) == ["third", "first"]
+    with pytest.raises(ValueError, match="at least 1 text"):
+        EmbeddingMemo(encoder, max_entries=0)
+
+
+def test_policies_share_a_memo_or_a_plain_dict_of_vectors(pipeline):
+    first = Policy.load(pipeline["run"])
+    second = Policy(first.network, first.encoder, first.meta, memo=first.memo)  # as validation does
+    observation = {"text": "Pipeline status: load failed", "candidates": ["retry load", "skip load"]}
+    first.act(observation)
+    calls = first.memo.encoder_calls
+    second.act(observation)
+    assert first.memo.encoder_calls == calls and first.memo.hits >= 3
+    store: dict = {}  # what the benchmarks share between the policies they compare
+    Policy(first.network, first.encoder, first.meta, memo=store).act(observation)
+    assert set(store) == set(first.memo.vectors)
+    other = TextEncoder(batch_size=1)
+    with pytest.raises(ValueError, match="memo passed holds vectors of"):
+        Policy(first.network, other, first.meta, memo=first.memo)
+
+
+def test_the_packaged_encoder_counts_tokens_with_the_fast_tokenizer():
+    # render_state counts the tokens of every state, several times when it trims one to the encoder's window.
+    encoder = learn_data.encoder()
+    assert encoder.tokenizer.is_fast
+    encoder.encode(["the stage failed " * 100])  # a truncating call must not leave the counter truncating
+    assert encoder.count_tokens("the stage failed " * 100) == 300 + 2  # [CLS] ... [SEP]
+
+
+def test_bf16_vectors_are_within_cosine_0_99_of_fp32_on_real_state_texts(pipeline):
+    fp32, bf16 = learn_data.encoder(), TextEncoder(precision="bf16")
+    texts = dataset_texts(pipeline["data"], max_tokens=fp32.max_length, count_tokens=fp32.count_tokens)
+    sample = texts.states[::8][:16] + texts.candidates[:8]
+    cosine = (fp32.encode(sample) * bf16.encode(sample)).sum(axis=1)
+    assert cosine.min() > 0.99, cosine.min()
+
+
+def test_bf16_vectors_have_an_id_and_cache_of_their_own_and_stand_in_for_fp32_ones_on_purpose(pipeline, tmp_path):
+    fp32 = learn_data.encoder()
+    policy = Policy.load(pipeline["run"], precision="bf16")
+    bf16 = policy.encoder
+    assert bf16.precision == "bf16" and bf16.id == fp32.id + "-bf16" and bf16.fp32_id == fp32.id
+    # The dataset embedding cache never mixes the two: bf16 vectors go to a folder of their own.
+    bf16_cache, fp32_cache = EmbeddingCache(tmp_path, bf16), EmbeddingCache(tmp_path, fp32)
+    assert bf16_cache.folder != fp32_cache.folder
+    bf16_cache.embed(["Task: fix it"])
+    assert fp32_cache.lookup([text_hash("Task: fix it")]) == {}
+    assert json.loads((bf16_cache.folder / "encoder.json").read_text())["precision"] == "bf16"
+    # A policy trained on bf16 vectors (none is, today) is not played with fp32 ones: the exception goes one way.
+    trained_on_bf16 = {**policy.meta, "encoder": {**policy.meta["encoder"], "id": bf16.id}}
+    assert encoder_for(trained_on_bf16, bf16) is bf16
+    with pytest.raises(UserError, match=r"trained on embeddings of encoder \S+-bf16"):
+        encoder_for(trained_on_bf16, fp32)
+    with pytest.raises(UserError, match="--encoder-precision 'fp16' is not one of fp32, bf16"):
+        TextEncoder(precision="fp16")
+
+
+def test_evaluate_plays_an_fp32_policy_with_a_bf16_encoder(pipeline):
+    result = runner.invoke(
+        app, ["evaluate", str(pipeline["run"]), "--env", PIPELINE, "-n", "2", "--encoder-precision", "bf16", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["episodes"] == 2
+    result = runner.invoke(app, ["evaluate", str(pipeline["run"]), "--env", PIPELINE, "--encoder-precision", "int8"])
+    assert result.exit_code != 0 and "--encoder-precision 'int8' is not one of fp32, bf16" in result.output
+
+
+def test_a_resumed_run_meets_the_very_vectors_of_an_uninterrupted_one(pipeline, tmp_path):
+    """With MiniLM, the vectors of a text encoded in one batch or another differ in their last bits, and
+    without the memo saved a resumed run's parameters drifted from the uninterrupted run's in its first
+    update (checked by hand); with it they are the same, memo included."""
+
+    def run(out: Path, iterations: int, resume: bool = False) -> None:
+        config = PPOConfig(iterations=iterations, num_envs=2, num_steps=4, vector="sync", beta=0.01,
+                           checkpoint_every=1, num_minibatches=2, update_epochs=1)
+        finetune(pipeline["run"], PIPELINE, out, config, resume=resume)
+
+    run(tmp_path / "whole", 2)
+    run(tmp_path / "cut", 1)
+    run(tmp_path / "cut", 2, resume=True)
+    whole, resumed = load_file(str(tmp_path / "whole" / STATE_FILE)), load_file(str(tmp_path / "cut" / STATE_FILE))
+    assert whole.keys() == resumed.keys() and whole["memo/rollout/vectors"].shape[0] > 8
+    for key in whole:
+        assert torch.equal(whole[key], resumed[key]), key
