@@ -20,8 +20,9 @@ the (sampled) training success rate first reached 95%, the mean per-step KL to
 the offline policy, and whether fine-tuning dipped more than 10 points below
 the offline policy: the greedy policy after each of `--dip-iterations`
 iterations, evaluated like the offline one. A second table gives rollout throughput (env steps/s,
-policy and encoder included) with 1, 2 and 4 environments, in-process and in
-worker processes, and the simulators' own speed through the same vector envs.
+policy and encoder included) with 1 and 8 environments, 1 and `--threads` torch threads, the encoder in
+fp32 and in bf16, and the simulators' own speed through the same vector env
+(`benchmarks/rollout_speed.py`, which runs it alone).
 
 Prints the tables and writes them to benchmarks/results/online.md. With
 `--safety SPEC`, every policy (the offline one too) is trained and evaluated
@@ -42,6 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
+from benchmarks.rollout_speed import ENV, ROLLOUT_HEADER, rollout_note  # noqa: E402
 from offline_agent.online.ppo import DEFAULT_TARGET_KL, PPOConfig  # noqa: E402
 from offline_agent.online.validation import KEEP_RULES  # noqa: E402
 
@@ -320,45 +322,12 @@ def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
 
 
 def throughput(run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
-    """Rollout env steps/s (policy + encoder included) and the bare vector env's, for 1, 2, 4 envs, with one
-    torch thread and with `threads`."""
-    import random
+    """The rollout throughput table (`benchmarks/rollout_speed.py`, which also runs it alone): env steps/s with
+    the encoder in fp32 and bf16, and in fp32 one text per pass, for 1 and 8 envs, with one torch thread and
+    with `threads`."""
+    from benchmarks.rollout_speed import rollout_rows
 
-    import torch
-
-    from offline_agent.determinism import deterministic_torch
-    from offline_agent.learn.policy import Policy
-    from offline_agent.online.ppo import PPOTrainer
-    from offline_agent.online.vector import make_vector_env
-
-    rows = []
-    settings = [(mode, n, t) for t in sorted({1, threads}) for mode in ("sync", "process") for n in (1, 2, 4)]
-    for mode, n, t in settings:
-        if mode == "process" and n == 1:
-            continue
-        with deterministic_torch(t):
-            config = PPOConfig(num_envs=n, num_steps=max(1, steps // n), vector=mode, torch_threads=t)
-            trainer = PPOTrainer(Policy.load(run), env, config)
-            try:
-                start = time.perf_counter()
-                with torch.no_grad():
-                    trainer.collect_rollout(beta=0.1)
-                rollout = config.batch_size / (time.perf_counter() - start)
-            finally:
-                trainer.close()
-        envs = make_vector_env(env, n, mode=mode)
-        rng = random.Random(0)
-        observations, _ = envs.reset(list(range(n)))
-        start, bare_steps = time.perf_counter(), 0
-        while time.perf_counter() - start < 1.0:
-            step = envs.step([rng.randrange(len(o["candidates"])) for o in observations])
-            observations, bare_steps = step.observations, bare_steps + n
-        bare = bare_steps / (time.perf_counter() - start)
-        envs.close()
-        rows.append([n, mode, t, f"{rollout:.1f}", f"{bare:,.0f}"])
-        print(f"throughput {n} envs {mode} {t} thread(s): rollout {rollout:.1f}/s, bare envs {bare:,.0f}/s",
-              flush=True)
-    return rows
+    return rollout_rows(run, env, steps, threads)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -415,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
-    parser.add_argument("--throughput-steps", type=int, default=64, help="rollout steps timed per setting")
+    parser.add_argument("--throughput-steps", type=int, default=128, help="rollout env steps timed per setting")
     parser.add_argument("--safety", default=None,
                         help="a safety-filter spec every policy (the offline one too) trains and is evaluated behind; "
                         "its runs, tables and result file are kept apart from the unfiltered ones")
@@ -528,10 +497,9 @@ def main() -> None:
     else:
         table += (
             "\n\n"
-            + markdown_table(["envs", "vector", "torch threads", "rollout env steps/s", "bare env steps/s"], speed)
-            + f"\n\nRollout throughput on {SIMS[args.sims[0]]} with the CQL policy ({args.throughput_steps} steps "
-            "per setting, a cold text-embedding memo: every new state text is one MiniLM call); bare = the vector "
-            "env alone with random actions for 1 s."
+            + markdown_table(ROLLOUT_HEADER, speed)
+            + "\n\n" + rollout_note(args.throughput_steps).replace(ENV, SIMS[args.sims[0]])
+            + " `python benchmarks/rollout_speed.py` measures it alone, with the encoder's own speed."
         )
     command = "python benchmarks/online.py " + " ".join(
         f"'{a}'" if ";" in a or " " in a else a for a in sys.argv[1:] if a not in ("--tables-only", "--reuse")

@@ -54,6 +54,7 @@ BENCHMARKS = [
     ("encoder_tuning", "encoder_tuning.py", []),
     ("real_logs_auc", "real_logs_auc.py", []),
     ("online", "online.py", []),
+    ("rollout_speed", "rollout_speed.py", []),
     # A warmer start (--tau 0.5), then the same behind the rules a support team would write first: never ask for
     # a card's CVV, never delete an account.
     ("online_tau05", "online.py", ["--tau", "0.5", "--no-scratch"]),

