@@ -244,7 +244,7 @@ class FactorisedQNetwork(nn.Module):
     The state tower runs once per state and the action tower once per distinct action (a batch's
     candidates repeat a small vocabulary), both to width R (+ their first-layer terms); `PairHead`
     combines them with the pair's grounding at R x G + G x G multiply-adds per pair and head, where the
-    pairwise `QNetwork` spends D x H + H x H (about 15x more at the defaults). Same contract as `QNetwork` (`all_heads`,
+    pairwise `QNetwork` spends D x H + H x H (about 50x more at the defaults). Same contract as `QNetwork` (`all_heads`,
     `all_heads_by_id`, `q_values`), so CQL, the `Policy` and online fine-tuning take either.
     """
 
