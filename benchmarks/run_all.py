@@ -49,6 +49,8 @@ BENCHMARKS = [
     ("state_aliasing", "state_aliasing.py", []),
     ("train_speed", "train_speed.py", []),
     ("offline_quality", "offline_quality.py", []),
+    # The factorised head (CQL's default) against the pairwise one it replaced, on the same seeds and budget.
+    ("offline_quality_cql-pairwise_cql", "offline_quality.py", ["--algos", "cql-pairwise", "cql"]),
     ("offline_quality_600", "offline_quality.py", ["--episodes", "600"]),
     ("imitation_ceiling", "imitation_ceiling.py", []),
     ("encoder_tuning", "encoder_tuning.py", []),
