@@ -177,7 +177,7 @@ def main() -> None:
     if b["episodes"] != base["episodes"]:
         name, title = f"{name}_{b['episodes']}", f"{title}, from {b['episodes']} logged episodes"
     if args.algos:  # a subset of the learners never overwrites the whole table
-        name, title = f"{name}_{'_'.join(args.algos)}", f"{title}: {', '.join(LABELS[a] for a in algos)}"
+        name, title = f"{name}_{'_'.join(args.algos)}", f"{title}: {' vs '.join(LABELS[a] for a in algos)}"
     write_result(name, title, table, command)
 
 
