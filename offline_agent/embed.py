@@ -675,6 +675,8 @@ class EmbeddingMemo:
         self.max_entries = max_entries
         self.vectors: dict[str, np.ndarray] = {} if store is None else store
         self.hits = self.misses = self.encoder_calls = self.evicted = 0
+        # The id the vectors are of: an encoder whose id changes (tuned layers loaded into it) invalidates them.
+        self.encoder_id = getattr(encoder, "id", None)
 
     def __len__(self) -> int:
         return len(self.vectors)
@@ -689,6 +691,10 @@ class EmbeddingMemo:
     def embed(self, texts: Sequence[str]) -> np.ndarray:
         """(N, D) float32 vectors of `texts` in their order; the texts not in the memo are encoded together."""
         texts = list(texts)
+        if getattr(self.encoder, "id", None) != self.encoder_id:
+            self.evicted += len(self.vectors)
+            self.vectors.clear()
+            self.encoder_id = getattr(self.encoder, "id", None)
         distinct = list(dict.fromkeys(texts))
         vectors = self.vectors
         found: dict[str, np.ndarray] = {}

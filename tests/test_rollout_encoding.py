@@ -141,6 +141,21 @@ def test_the_memo_encodes_only_new_texts_in_one_call_and_forgets_the_least_recen
     assert memo.embed([]).shape == (0, encoder.dim)
 
 
+def test_the_memo_forgets_its_vectors_when_its_encoder_becomes_another():
+    import copy
+
+    encoder = copy.copy(learn_data.encoder())  # the same model; its id is this copy's own
+    memo = EmbeddingMemo(encoder)
+    memo.embed(["[obs] the load stage failed", "Task: fix it"])
+    memo.embed(["Task: fix it"])
+    assert (memo.encoder_calls, memo.hits) == (1, 1)
+    # What `load_tuned_layers` does: new top layers, a new id, so none of the old vectors may be served.
+    encoder.model_id = encoder.model_id + "-tuned-000000000000"
+    memo.embed(["Task: fix it"])
+    assert (memo.encoder_calls, memo.hits, len(memo), memo.evicted) == (2, 1, 1, 2)
+    assert memo.encoder_id == encoder.id
+
+
 def test_a_memo_round_trips_through_arrays_in_order_and_bit_for_bit():
     encoder = learn_data.encoder()
     memo = EmbeddingMemo(encoder)
