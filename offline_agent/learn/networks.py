@@ -58,6 +58,30 @@ class Adapter(nn.Module):
         return nn.functional.normalize(x + self.up(torch.relu(self.down(x))), dim=-1)
 
 
+def _set_inputs(net: nn.Module, dim: int, state_adapter: bool, action_adapter: bool, adapter_hidden: int) -> None:
+    """The input side both candidate scorers share: optional adapters on the frozen embeddings, and the scale."""
+    net.state_adapter = Adapter(dim, adapter_hidden) if state_adapter else None
+    net.action_adapter = Adapter(dim, adapter_hidden) if action_adapter else None
+    net.adapter_hidden = adapter_hidden
+    # Unit embeddings have coordinates of size ~1/sqrt(D); scaling them to ~1 suits the default init.
+    net.scale = math.sqrt(dim)
+
+
+def _config(net: nn.Module, **own: Any) -> dict[str, Any]:
+    """A candidate scorer's constructor arguments, as stored in policy.json: the shared ones and `own`."""
+    return {
+        "kind": net.kind,
+        "dim": net.dim,
+        "hidden": net.hidden,
+        "n_heads": net.n_heads,
+        **own,
+        "state_adapter": net.state_adapter is not None,
+        "action_adapter": net.action_adapter is not None,
+        "adapter_hidden": net.adapter_hidden,
+        "pair_dim": net.pair_dim,
+    }
+
+
 class QHead(nn.Module):
     """One Q function: relu(W_s s + W_a a + W_sa (s * a) [+ W_g g] + b) -> H -> 1.
 
@@ -109,25 +133,12 @@ class QNetwork(nn.Module):
     ):
         super().__init__()
         self.dim, self.hidden, self.n_heads, self.pair_dim = dim, hidden, n_heads, pair_dim
-        self.state_adapter = Adapter(dim, adapter_hidden) if state_adapter else None
-        self.action_adapter = Adapter(dim, adapter_hidden) if action_adapter else None
-        self.adapter_hidden = adapter_hidden
+        _set_inputs(self, dim, state_adapter, action_adapter, adapter_hidden)
         self.heads = nn.ModuleList(QHead(dim, hidden, pair_dim) for _ in range(n_heads))
-        # Unit embeddings have coordinates of size ~1/sqrt(D); scaling them to ~1 suits the default init.
-        self.scale = math.sqrt(dim)
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments, as stored in policy.json."""
-        return {
-            "kind": self.kind,
-            "dim": self.dim,
-            "hidden": self.hidden,
-            "n_heads": self.n_heads,
-            "state_adapter": self.state_adapter is not None,
-            "action_adapter": self.action_adapter is not None,
-            "adapter_hidden": self.adapter_hidden,
-            "pair_dim": self.pair_dim,
-        }
+        return _config(self)
 
     def all_heads(
         self, state_emb: torch.Tensor, cand_emb: torch.Tensor, pair: torch.Tensor | None = None
@@ -244,8 +255,9 @@ class FactorisedQNetwork(nn.Module):
     The state tower runs once per state and the action tower once per distinct action (a batch's
     candidates repeat a small vocabulary), both to width R (+ their first-layer terms); `PairHead`
     combines them with the pair's grounding at R x G + G x G multiply-adds per pair and head, where the
-    pairwise `QNetwork` spends D x H + H x H (about 50x more at the defaults). Same contract as `QNetwork` (`all_heads`,
-    `all_heads_by_id`, `q_values`), so CQL, the `Policy` and online fine-tuning take either.
+    pairwise `QNetwork` spends D x H + H x H (about 50x more at the defaults). Same contract as
+    `QNetwork` (`all_heads`, `all_heads_by_id`, `q_values`), so CQL, the `Policy` and online fine-tuning
+    take either.
     """
 
     kind = "factorised_q"
@@ -264,28 +276,15 @@ class FactorisedQNetwork(nn.Module):
     ):
         super().__init__()
         self.dim, self.hidden, self.n_heads, self.pair_dim = dim, hidden, n_heads, pair_dim
-        self.rank, self.pair_hidden, self.adapter_hidden = rank, pair_hidden, adapter_hidden
-        self.state_adapter = Adapter(dim, adapter_hidden) if state_adapter else None
-        self.action_adapter = Adapter(dim, adapter_hidden) if action_adapter else None
+        self.rank, self.pair_hidden = rank, pair_hidden
+        _set_inputs(self, dim, state_adapter, action_adapter, adapter_hidden)
         self.state_tower = Tower(dim, hidden, rank + pair_hidden, n_heads)
         self.action_tower = Tower(dim, hidden, rank + pair_hidden, n_heads)
         self.pair_head = PairHead(rank, pair_hidden, n_heads, pair_dim)
-        self.scale = math.sqrt(dim)  # unit embeddings -> coordinates of size ~1, as in `QNetwork`
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments, as stored in policy.json."""
-        return {
-            "kind": self.kind,
-            "dim": self.dim,
-            "hidden": self.hidden,
-            "n_heads": self.n_heads,
-            "rank": self.rank,
-            "pair_hidden": self.pair_hidden,
-            "state_adapter": self.state_adapter is not None,
-            "action_adapter": self.action_adapter is not None,
-            "adapter_hidden": self.adapter_hidden,
-            "pair_dim": self.pair_dim,
-        }
+        return _config(self, rank=self.rank, pair_hidden=self.pair_hidden)
 
     def state_vectors(self, state_emb: torch.Tensor) -> torch.Tensor:
         """state_emb (B, D) -> (K, B, R + G)."""
