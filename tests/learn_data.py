@@ -58,3 +58,18 @@ def fresh_copy(to: Path) -> Path:
     color_lock_features()
     shutil.copytree(color_lock_dataset(), to)
     return to
+
+
+def assert_same_scores_and_gradients(net, first, second) -> None:
+    """Two ways of scoring with `net` (callables returning Q-values) agree, and so do the gradients they give
+    every parameter."""
+    import torch
+
+    torch.testing.assert_close(first(), second(), atol=1e-5, rtol=1e-5)
+    grads = []
+    for score in (first, second):
+        net.zero_grad()
+        score().square().sum().backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

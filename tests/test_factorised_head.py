@@ -93,14 +93,7 @@ def test_scoring_by_id_gives_the_values_and_gradients_of_scoring_embeddings(adap
             return net.all_heads_by_id(s, table, ids, pair, table_vectors=net.action_vectors(table))
         return net.all_heads_by_id(s, table, ids, pair)
 
-    torch.testing.assert_close(by_id(), net.all_heads(s, table[ids], pair), atol=1e-5, rtol=1e-5)
-    grads = []
-    for values in (by_id(), net.all_heads(s, table[ids], pair)):
-        net.zero_grad()
-        values.square().sum().backward()
-        grads.append([p.grad.clone() for p in net.parameters()])
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    learn_data.assert_same_scores_and_gradients(net, by_id, lambda: net.all_heads(s, table[ids], pair))
 
 
 def test_the_cql_loss_of_a_factorised_head_is_the_loss_of_its_scores():
