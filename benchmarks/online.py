@@ -384,7 +384,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--episodes", type=int, default=50, help="evaluation episodes per policy")
     parser.add_argument("--dip-iterations", type=int, nargs="*", default=[1, 2, 4],
                         help="iterations after which the fine-tuned greedy policy is evaluated for the early dip")
-    parser.add_argument("--throughput-steps", type=int, default=128, help="rollout env steps timed per setting")
+    parser.add_argument("--throughput-steps", type=int, default=256, help="rollout env steps timed per setting")
     parser.add_argument("--safety", default=None,
                         help="a safety-filter spec every policy (the offline one too) trains and is evaluated behind; "
                         "its runs, tables and result file are kept apart from the unfiltered ones")

@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--cql-steps", type=int, default=1000, help="CQL gradient steps of the offline stage")
     parser.add_argument("--retrain", action="store_true", help="retrain the cached CQL run (e.g. after the network "
                         "changed); the logs' embeddings stay cached")
-    parser.add_argument("--steps", type=int, default=128, help="env steps timed per rollout setting")
+    parser.add_argument("--steps", type=int, default=256, help="env steps timed per rollout setting")
     parser.add_argument("--texts", type=int, default=64, help="state texts timed per encoder")
     parser.add_argument("--threads", type=int, default=2, help="torch threads beside 1 (this machine has 2 cores)")
     parser.add_argument("--no-write", action="store_true", help="print the tables only")

@@ -216,9 +216,10 @@ texts were new with it (padding changes the kernels' shapes), that is on what
 the run's text -> vector memo held; so the memo (`Featurizer.memo`, bounded) is
 saved with each checkpoint and restored on resume, and the resumed run meets the
 very vectors and the same batches. (Encoding each text alone, as rollouts did
-before, kept the vectors independent of the memo, but rolls out slower with
-several environments: benchmarks/results/rollout_speed.md.) With those, a resumed
-run repeats an uninterrupted one bit for bit (see `finetune.py`).
+before, kept the vectors independent of the memo. In fp32 on CPU the batch gains
+little, 0-15% at 8 environments, since one ~200-token text already fills the
+matrix products; a bf16 encoder gains ~1.8x: benchmarks/results/rollout_speed.md.)
+With those, a resumed run repeats an uninterrupted one bit for bit (see `finetune.py`).
 
 Dimension letters: T rollout steps per environment, N environments, B rows (T * N or a minibatch),
 C candidate slots, D embedding width, H hidden width.
