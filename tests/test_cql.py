@@ -25,7 +25,7 @@ from offline_agent.learn.cql import (
 from offline_agent.learn.d3rlpy_bridge import D3rlpyCQLConfig, train_d3rlpy_cql
 from offline_agent.learn.features import make_batch
 from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation, fqe_target
-from offline_agent.learn.networks import QHead, QNetwork, VocabQNetwork
+from offline_agent.learn.networks import FactorisedQNetwork, QHead, QNetwork, VocabQNetwork
 from offline_agent.learn.policy import Policy, load_checkpoint, save_checkpoint
 from offline_agent.learn.train import make_config, train
 
@@ -277,11 +277,14 @@ def test_cql_learns_to_open_the_lock_far_better_than_random(cal_ql, min_gap):
     assert random_rate < 0.3 and learned >= 0.9, (random_rate, learned)
 
 
-def test_every_trainable_parameter_changes_in_a_step():
+@pytest.mark.parametrize("make", [
+    lambda dim: QNetwork(dim, hidden=16, n_heads=2, state_adapter=True, action_adapter=True),
+    lambda dim: FactorisedQNetwork(dim, hidden=16, rank=4, pair_hidden=8, state_adapter=True, action_adapter=True),
+], ids=["pairwise", "factorised"])
+def test_every_trainable_parameter_changes_in_a_step(make):
     f = learn_data.color_lock_features()
     torch.manual_seed(0)
-    net = QNetwork(f.dim, hidden=16, n_heads=2, state_adapter=True, action_adapter=True)
-    target = QNetwork(f.dim, hidden=16, n_heads=2, state_adapter=True, action_adapter=True)
+    net, target = make(f.dim), make(f.dim)
     target.load_state_dict(net.state_dict())
     before = {n: p.detach().clone() for n, p in net.named_parameters()}
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-2)
