@@ -22,6 +22,11 @@ $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PIP) install -q -e '.[dev]'
 	touch $@
 
+# Ray is an optional extra; CI installs it so that the Ray tests run (they skip without it).
+$(VENV)/.installed-ray: $(VENV)/.installed-dev
+	$(PIP) install -q -e '.[dev,ray]'
+	touch $@
+
 $(VENV)/.installed-bench: $(VENV)/.installed-dev
 	$(PIP) install -q -e '.[dev,bench]'
 	touch $@

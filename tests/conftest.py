@@ -31,3 +31,30 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def local_ray(tmp_path_factory):
+    """A real local Ray (2 CPUs) shared by the session's Ray tests; they skip where the extra is not installed.
+
+    Its session files go to a short folder under /tmp (Ray's socket paths must stay under 108 characters, which
+    pytest's tmp paths can exceed) that is removed afterwards; token auth is off so nothing is written to ~/.ray.
+    Workers see the repository and tests/ on their path, for the test modules they import (user envs).
+    """
+    ray = pytest.importorskip("ray", reason="Ray tests need the extra: pip install 'offline-agent[ray]'")
+    import shutil
+    import tempfile
+
+    from offline_agent.ray_backend import WORKER_ENV
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    folder = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    path = os.pathsep.join([str(REPO), str(REPO / "tests")])
+    ray.init(
+        num_cpus=2, include_dashboard=False, _temp_dir=folder, object_store_memory=200 << 20,
+        runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": path}}, configure_logging=False,
+    )
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
