@@ -310,24 +310,31 @@ class TextEncoder:
         as its first, so that the short candidate texts a rollout step encodes beside its states are not
         padded to a state's length. Callers write results back to the positions given.
         """
-        order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
-        start = 0
-        while start < len(order):
-            end = min(start + self.batch_size, len(order))
-            longest = len(texts[order[start]])
-            end = next((j for j in range(start + 1, end) if 2 * len(texts[order[j]]) < longest), end)
-            idx = order[start:end]
+        for idx in batch_positions(texts, self.batch_size):
             batch = self.tokenizer(
                 [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
             )
             yield idx, batch.to(self.device)
-            start = end
 
     def __repr__(self) -> str:
         return (
             f"TextEncoder({self.id!r}, dim={self.dim}, max_length={self.max_length}, device={self.device}, "
             f"precision={self.precision})"
         )
+
+
+def batch_positions(texts: Sequence[str], batch_size: int) -> Iterator[list[int]]:
+    """Positions in `texts` of each forward pass of `TextEncoder.tokenized_batches`, in order: longest first, up
+    to `batch_size` texts, and a pass ends before a text less than half as long as its first. The Ray backend
+    cuts its shards at these boundaries, so that a shard's passes are the ones the local backend would run."""
+    order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))
+    start = 0
+    while start < len(order):
+        end = min(start + batch_size, len(order))
+        longest = len(texts[order[start]])
+        end = next((j for j in range(start + 1, end) if 2 * len(texts[order[j]]) < longest), end)
+        yield order[start:end]
+        start = end
 
 
 def mean_pool(hidden: Any, attention_mask: Any) -> Any:
@@ -575,15 +582,25 @@ class EmbeddingCache:
                 found[part_hashes[i]] = vectors[i]
         return found
 
-    def embed(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+    def embed(
+        self, texts: Sequence[str], progress: bool = False, backend: str = "local", ray_address: str | None = None
+    ) -> np.ndarray:
         """(N, D) float32 vectors of `texts` in the order given; encodes (and stores) only uncached texts.
-        `hits` and `misses` count the distinct one-view texts found and encoded."""
+        `hits` and `misses` count the distinct one-view texts found and encoded.
+
+        `backend="ray"` encodes the uncached texts on a pool of Ray actors (`offline_agent.embed_ray`; the
+        cache is read and written here, in the driver); `ray_address` as in `offline_agent.ray_backend`.
+        """
+        from offline_agent.ray_backend import check_backend, require_ray
+
+        if check_backend(backend) == "ray":
+            require_ray()  # a missing extra is reported even when every text is cached
         texts = list(texts)
         if self.single is self.encoder:
-            return self._embed_one_view(texts, progress)
-        return observation_views(texts, lambda views: self._embed_one_view(views, progress))
+            return self._embed_one_view(texts, progress, backend, ray_address)
+        return observation_views(texts, lambda views: self._embed_one_view(views, progress, backend, ray_address))
 
-    def _embed_one_view(self, texts: list[str], progress: bool) -> np.ndarray:
+    def _embed_one_view(self, texts: list[str], progress: bool, backend: str, ray_address: str | None) -> np.ndarray:
         hashes = [text_hash(t) for t in texts]
         # Actions and candidates repeat a lot: each distinct text is looked up and encoded once.
         unique: dict[str, str] = {}
@@ -592,7 +609,17 @@ class EmbeddingCache:
         found = self.lookup(list(unique))
         missing = [h for h in unique if h not in found]
         self.hits, self.misses = len(found), len(missing)
-        if missing:
+        if missing and backend == "ray":
+            from offline_agent.embed_ray import encode_on_ray
+
+            # The driver stores the vectors as shards come back, a part every `PART_ROWS` (20,000) texts, so
+            # that an interrupted run keeps most of its work.
+            encoded = encode_on_ray(
+                self.single, [unique[h] for h in missing], ray_address, progress,
+                keep=lambda rows, vectors: self._write_part([missing[i] for i in rows], vectors),
+            )
+            found.update(zip(missing, encoded, strict=True))
+        elif missing:
             to_encode = [unique[h] for h in missing]
             # Only TextEncoder takes `progress`; a duck-typed encoder needs no more than encode(texts).
             encoded = self.single.encode(to_encode, progress=True) if progress else self.single.encode(to_encode)
