@@ -22,6 +22,10 @@ from offline_agent.errors import UserError  # noqa: E402
 
 console = Console(stderr=True)
 
+BACKEND_HELP = "local | ray (needs the extra: pip install 'offline-agent[ray]')"
+RAY_ADDRESS_HELP = "with --backend ray: 'auto' joins this machine's cluster, HOST:PORT another [default: a local Ray]"
+RAY_ACTORS_HELP = "with --backend ray: actors the environments are spread over [default: one per cluster CPU]"
+
 
 class _OneLineErrors(TyperGroup):
     """Bad input becomes one line on stderr and exit code 2, for every verb, however it is invoked."""
@@ -413,7 +417,10 @@ def finetune_command(
     ),
     resume: bool = typer.Option(False, "--resume", help="continue OUT from its last checkpoint"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a run already in OUT"),
-    vector: str = typer.Option("auto", "--vector", help="auto | sync | process environments"),
+    vector: str = typer.Option("auto", "--vector", help="auto | sync | process environments (local backend)"),
+    backend: str = typer.Option("local", "--backend", help=BACKEND_HELP),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
+    ray_actors: int | None = typer.Option(None, "--ray-actors", help=RAY_ACTORS_HELP),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: RUN's own]"),
     encoder_precision: str = typer.Option(
         "fp32", "--encoder-precision",
@@ -458,7 +465,8 @@ def finetune_command(
     )
     result = finetune(
         run, env, out, config, safety=safety, resume=resume, overwrite=overwrite, encoder=encoder,
-        encoder_precision=encoder_precision, progress=sys.stderr.isatty(),
+        encoder_precision=encoder_precision, progress=sys.stderr.isatty(), backend=backend,
+        ray_address=ray_address, ray_actors=ray_actors,
     )
     m = result.final_metrics
     console.print(
@@ -466,7 +474,8 @@ def finetune_command(
         + (f", resumed after iteration {result.resumed_from}" if result.resumed_from is not None else "")
         + f") -> {result.run_dir}: success rate {m.get('charts/success_rate', float('nan')):.3f}, "
         f"KL {m.get('objective/kl', float('nan')):.4f}, beta {m.get('objective/beta', float('nan')):.4f}, "
-        f"blocked {int(m.get('safety/blocked', 0))}",
+        f"blocked {int(m.get('safety/blocked', 0))}"
+        + ("" if result.ray is None else f"; {_ray_summary(result.ray)}"),
         highlight=False,
     )
 
@@ -575,6 +584,10 @@ def evaluate_command(
         [], "--safety", help="replace the run's saved safety rules: deny:TOOL,.. | regex:PATTERN | callable:mod:fn"
     ),
     no_safety: bool = typer.Option(False, "--no-safety", help="roll out without the run's saved safety rules"),
+    backend: str = typer.Option("local", "--backend", help=BACKEND_HELP),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
+    ray_actors: int | None = typer.Option(None, "--ray-actors", help=RAY_ACTORS_HELP),
+    n_envs: int = typer.Option(16, "--num-envs", help="environments played at once (one encoder batch a round)"),
 ) -> None:
     """Success rate (95% Wilson interval), returns, steps and error recovery of a policy in a simulator,
     behind the safety rules saved with the run; with --dataset, its off-policy (FQE) value on held-out logs."""
@@ -591,7 +604,8 @@ def evaluate_command(
     if env is not None:
         out = evaluate(
             run, env, episodes=episodes, seed=seed, device=device, encoder=encoder, safety=rules,
-            encoder_precision=encoder_precision,
+            encoder_precision=encoder_precision, n_envs=n_envs, backend=backend, ray_address=ray_address,
+            ray_actors=ray_actors,
         ).to_dict()
     if dataset is not None:
         fqe = off_policy_value(run, dataset, steps=fqe_steps, seed=seed, device=device, encoder=encoder)
@@ -609,6 +623,7 @@ def evaluate_command(
             f"error steps {out['error_rate']:.1%}, retries to recover {recovery}"
             + ("" if retries is None else f", {out['unrecovered']} unrecovered)")
             + f"; {_safety_summary(out)}"
+            + ("" if out["ray"] is None else f"; {_ray_summary(out['ray'])}")
         )
     if dataset is not None:
         f = out["fqe"]
@@ -629,6 +644,13 @@ def _safety_override(specs: list[str], off: bool, env: str | None) -> list[str] 
     if specs and not split_specs(specs):  # a blank spec would silently turn the saved rules off
         raise UserError(f"--safety {specs[0]!r} names no rule: expected {SPEC_HELP}, or --no-safety for none")
     return [] if off else specs or None
+
+
+def _ray_summary(stats: dict) -> str:
+    return (
+        f"on Ray: {stats['actors']} actors, {stats['actors_replaced']} replaced "
+        f"({stats['envs_replayed']} environments replayed, {stats['steps_replayed']} steps)"
+    )
 
 
 def _safety_summary(out: dict) -> str:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ import numpy as np
 from offline_agent.envs.loading import task_text
 from offline_agent.errors import UserError
 from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter, add_blocked
+from offline_agent.ray_backend import check_backend, ray_session, require_ray
 from offline_agent.simulate import episode_seed, wilson_interval
 
 __all__ = [
@@ -90,6 +91,8 @@ class EvalReport:
     blocked_actions: int = 0
     blocked_by_rule: dict[str, int] = field(default_factory=dict)
     safety_truncated: int = 0  # episodes ended because every candidate was forbidden
+    # With --backend ray: actors, and actors replaced with the environments and steps replayed (RayVectorEnv)
+    ray: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -205,51 +208,64 @@ def rollout_policy(
     gamma: float = 0.99,
     n_envs: int = 16,
     safety: Sequence[str] = (),
+    envs: Any = None,
 ) -> list[EpisodeOutcome]:
     """Play `episodes` episodes; `policy` is a `Policy` or the string `behaviour:SPEC`. Episode i uses reset
     seed `episode_seed(seed, i)`; outcomes come back in episode order. With `safety` (rule specs) every
-    environment is behind the safety filter, as in fine-tuning: forbidden candidates are never offered."""
+    environment is behind the safety filter, as in fine-tuning: forbidden candidates are never offered.
+    `envs` is a vector env to play in (a `RayVectorEnv`, for the Ray backend); by default `n_envs`
+    environments in this process."""
     if episodes < 1:
         raise UserError(f"--episodes must be at least 1, got {episodes}")
     if isinstance(policy, str):
         if safety:  # its expert indices refer to the unfiltered candidates (see `offline_agent.online.safety`)
             raise UserError(f"{policy} picks from the environment's own candidates: evaluate it without --safety")
         return _rollout_behaviour(env_spec, policy, episodes, seed, gamma)
-    from offline_agent.learn.policy import EpisodeHistory
-    from offline_agent.online.vector import build_env
+    from offline_agent.online.vector import SyncVectorEnv
 
     # build_env wraps before it checks the contract, so not even that check executes a forbidden action.
-    envs = [build_env(env_spec, safety) for _ in range(min(n_envs, episodes))]
+    own = envs is None
+    envs = SyncVectorEnv(env_spec, min(n_envs, episodes), safety) if own else envs
+    try:
+        return _play_episodes(envs, policy, episodes, seed, gamma)
+    finally:
+        if own:
+            envs.close()
+
+
+def _play_episodes(envs: Any, policy: Any, episodes: int, seed: int, gamma: float) -> list[EpisodeOutcome]:
+    """Episodes in order over the slots of `envs`; a slot whose episode ends starts the next pending one."""
+    from offline_agent.learn.policy import EpisodeHistory
+
     pending = list(range(episodes))[::-1]
     results: dict[int, EpisodeOutcome] = {}
-    slots: list[_Playing | None] = [None] * len(envs)
+    slots: list[_Playing | None] = [None] * min(envs.num_envs, episodes)
 
-    def start(slot: int) -> None:
-        if not pending:
+    def start(free: list[int]) -> None:
+        starting = {slot: pending.pop() for slot in free if pending}
+        for slot in free:
             slots[slot] = None
-            return
-        index = pending.pop()
-        s = episode_seed(seed, index)
-        observation, info = envs[slot].reset(seed=s)
-        playing = _Playing(index, s, observation, EpisodeHistory(task_text(info, envs[slot], observation)))
-        add_blocked(playing.blocked, info.get("safety_blocked"))
-        slots[slot] = playing
+        seeds = {slot: episode_seed(seed, index) for slot, index in starting.items()}
+        for slot, (observation, info) in envs.reset_slots(seeds).items():
+            history = EpisodeHistory(task_text(info, None, observation))  # env_reset put the env's task in info
+            playing = _Playing(starting[slot], seeds[slot], observation, history)
+            add_blocked(playing.blocked, info.get("safety_blocked"))
+            slots[slot] = playing
 
-    for slot in range(len(envs)):
-        start(slot)
-    try:
-        while live := [i for i, s in enumerate(slots) if s is not None]:
-            playing = [slots[i] for i in live]
-            actions = policy.act_batch([p.history for p in playing], [p.observation for p in playing])
-            for i, p, action in zip(live, playing, actions, strict=True):
-                observation, reward, terminated, truncated, info = envs[i].step(action)
-                p.record(observation, reward, info)
-                if terminated or truncated:
-                    results[p.index] = p.outcome(info, gamma)
-                    start(i)
-    finally:
-        for env in envs:
-            env.close()
+    start(list(range(len(slots))))
+    while live := [i for i, s in enumerate(slots) if s is not None]:
+        playing = [slots[i] for i in live]
+        actions = policy.act_batch([p.history for p in playing], [p.observation for p in playing])
+        steps = envs.play(dict(zip(live, (int(a) for a in actions), strict=True)))
+        ended = []
+        for i, p in zip(live, playing, strict=True):
+            observation, reward, terminated, truncated, info = steps[i]
+            p.record(observation, reward, info)
+            if terminated or truncated:
+                results[p.index] = p.outcome(info, gamma)
+                ended.append(i)
+        if ended:
+            start(ended)
     return [results[i] for i in range(episodes)]
 
 
@@ -294,6 +310,9 @@ def evaluate(
     n_envs: int = 16,
     safety: str | Sequence[str] | None = None,
     encoder_precision: str = "fp32",
+    backend: str = "local",
+    ray_address: str | None = None,
+    ray_actors: int | None = None,
 ) -> EvalReport:
     """Success rate (95% Wilson interval), returns, steps and recovery of a run's policy in `env`.
 
@@ -302,8 +321,13 @@ def evaluate(
     as in `offline_agent.online.safety`): None applies the rules saved with the run (a fine-tuned run's
     `--safety`; an offline run or a behaviour policy has none), a spec or list of specs replaces them, and
     `()` evaluates without any. `encoder_precision` is the rollouts' encoder's ("fp32" or "bf16").
+    `backend="ray"` runs the environments in `ray_actors` Ray actors (see `offline_agent.ray_backend` for
+    `ray_address`); the policy plays here, and the episodes are the same as with the local backend.
     """
     run_s = str(run)
+    check_backend(backend)
+    if backend == "ray":
+        require_ray()  # before a model is loaded
     rules = SafetyFilter.from_spec(safety)  # first, so that a bad spec fails before a model is loaded
     if run_s.startswith(BEHAVIOUR_PREFIX):
         gamma = 0.99
@@ -317,8 +341,18 @@ def evaluate(
         name = f"{policy.algo} ({run_s})"
         if safety is None:
             rules = _saved_safety(policy, run_s)
-    outcomes = rollout_policy(env, policy, episodes, seed, gamma, n_envs, rules.specs)
-    return summarize(outcomes, name, env, gamma, rules.specs)
+    if backend == "local" or isinstance(policy, str):  # a behaviour policy plays one env in this process
+        outcomes = rollout_policy(env, policy, episodes, seed, gamma, n_envs, rules.specs)
+        return summarize(outcomes, name, env, gamma, rules.specs)
+    from offline_agent.online.ray_envs import RayVectorEnv
+
+    with ray_session(ray_address):
+        envs = RayVectorEnv(env, min(n_envs, episodes), rules.specs, ray_actors)
+        try:
+            outcomes = rollout_policy(env, policy, episodes, seed, gamma, safety=rules.specs, envs=envs)
+        finally:
+            envs.close()
+    return replace(summarize(outcomes, name, env, gamma, rules.specs), ray=envs.stats())
 
 
 def _saved_safety(policy: Any, run: str) -> SafetyFilter:

@@ -16,6 +16,7 @@ from learn_envs import SPEC
 
 EPISODES = 200
 BEHAVIOUR = "noisy:0.7"
+REPO = Path(__file__).resolve().parents[1]
 K = 0  # the ColorLock observation is the whole state; k = 0 keeps the texts to a few dozen
 
 
@@ -51,6 +52,28 @@ def color_lock_features():
     from offline_agent.learn.features import build_features
 
     return build_features(color_lock_dataset(), encoder(), k=K)
+
+
+@functools.cache
+def pipeline_run() -> dict[str, Path]:
+    """{"data": six bundled PipelineRepair episodes ingested, "run": CQL trained 20 steps on them (one thread)}."""
+    import torch
+
+    from offline_agent.ingest import ingest
+    from offline_agent.learn.train import train
+
+    folder = root() / "pipeline"
+    folder.mkdir()
+    lines = (REPO / "datasets" / "pipeline" / "logs.jsonl").read_text().splitlines(keepends=True)
+    (folder / "logs.jsonl").write_text("".join(lines[:6]))
+    ingest([folder / "logs.jsonl"], folder / "data")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(folder / "data", "cql", folder / "run", steps=20, batch_size=16, seed=0, encoder=encoder())
+    finally:
+        torch.set_num_threads(threads)
+    return {"data": folder / "data", "run": folder / "run"}
 
 
 def fresh_copy(to: Path) -> Path:

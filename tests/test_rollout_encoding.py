@@ -26,28 +26,14 @@ from offline_agent.learn.policy import Policy, encoder_for
 from offline_agent.online.finetune import STATE_FILE, finetune
 from offline_agent.online.ppo import PPOConfig, PPOTrainer
 
-REPO = Path(__file__).resolve().parents[1]
 PIPELINE = "offline_agent/PipelineRepair-v0"
 runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def pipeline(tmp_path_factory):
+def pipeline():
     """{"data": six bundled PipelineRepair episodes ingested, "run": CQL trained 20 steps on them}."""
-    from offline_agent.ingest import ingest
-    from offline_agent.learn.train import train
-
-    root = tmp_path_factory.mktemp("pipeline")
-    lines = (REPO / "datasets" / "pipeline" / "logs.jsonl").read_text().splitlines(keepends=True)
-    (root / "logs.jsonl").write_text("".join(lines[:6]))
-    ingest([root / "logs.jsonl"], root / "data")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(root / "data", "cql", root / "run", steps=20, batch_size=16, seed=0, encoder=learn_data.encoder())
-    finally:
-        torch.set_num_threads(threads)
-    return {"data": root / "data", "run": root / "run"}
+    return learn_data.pipeline_run()
 
 
 @pytest.fixture(autouse=True)

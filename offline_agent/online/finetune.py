@@ -42,6 +42,7 @@ import random
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,7 @@ from offline_agent.errors import UserError
 from offline_agent.online.ppo import METRICS, PPOConfig, PPOTrainer
 from offline_agent.online.safety import SafetyFilter
 from offline_agent.online.validation import PolicySelector
+from offline_agent.ray_backend import check_backend, ray_session, require_ray
 
 STATE_FILE = "resume.safetensors"
 METRICS_FILE = "metrics.parquet"
@@ -77,6 +79,7 @@ class FinetuneResult:
     seconds: float
     final_metrics: dict[str, float]
     resumed_from: int | None  # the iteration a resumed run started after
+    ray: dict[str, int] | None = None  # with --backend ray: actors, replacements and replays (RayVectorEnv.stats)
 
 
 def finetune(
@@ -92,17 +95,24 @@ def finetune(
     encoder_precision: str = "fp32",
     progress: bool = False,
     on_iteration: OnIteration | None = None,
+    backend: str = "local",
+    ray_address: str | None = None,
+    ray_actors: int | None = None,
 ) -> FinetuneResult:
     """Fine-tune the policy of checkpoint `run` in environment `env` with PPO + KL, into run folder `out`.
 
     `safety` is a safety-filter spec (see `offline_agent.online.safety`); `resume` continues `out` from its
     last checkpoint (the other arguments must match the interrupted run's, except `config.iterations`).
     `encoder_precision` "bf16" runs the rollouts' encoder in bfloat16 (`TextEncoder`); the fine-tuned policy
-    keeps the offline checkpoint's encoder, and plays with either.
+    keeps the offline checkpoint's encoder, and plays with either. `backend="ray"` runs the environments in
+    `ray_actors` Ray actors (`RayVectorEnv`; `ray_address` as in `offline_agent.ray_backend`) while the policy
+    learns here; the run is the same as with the local backend (validation episodes still play here).
     """
     from offline_agent.learn.policy import CONFIG_FILE, Policy, checkpoint_dir, save_checkpoint, tuned_layers
 
     config = config or PPOConfig()
+    if check_backend(backend) == "ray":
+        require_ray()  # before anything is loaded
     source = checkpoint_dir(run)
     out = Path(out)
     if out.resolve() == source.resolve():
@@ -133,12 +143,18 @@ def finetune(
     rows: list[dict[str, float]] = []
     resumed_from = None
     start = time.perf_counter()
-    with deterministic_torch(config.torch_threads):
+    with deterministic_torch(config.torch_threads), ExitStack() as on_ray:
         # The global generators too: a user's env or judge that draws from `random` or `np.random` in this
         # process is then reproducible, and resumable since their states are checkpointed.
         random.seed(config.seed)
         np.random.seed(config.seed % 2**32)
-        trainer = PPOTrainer(reference, env, config, safety_filter)
+        envs = None
+        if backend == "ray":
+            from offline_agent.online.ray_envs import RayVectorEnv
+
+            on_ray.enter_context(ray_session(ray_address))
+            envs = RayVectorEnv(env, config.num_envs, safety_filter.specs, ray_actors)
+        trainer = PPOTrainer(reference, env, config, safety_filter, envs)
         selector = None
         if config.validation_episodes:
             selector = PolicySelector(
@@ -192,10 +208,13 @@ def finetune(
         "encoder_precision": getattr(reference.encoder, "precision", "fp32"),
         "texts_encoded_this_process": trainer.featurizer.encoded,
         "validation": None if selector is None else selector.describe(),
+        "ray": None if envs is None else envs.stats(),
         "final_metrics": final,
     }
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    return FinetuneResult(out, trainer.iteration, trainer.env_steps, seconds, final, resumed_from)
+    return FinetuneResult(
+        out, trainer.iteration, trainer.env_steps, seconds, final, resumed_from, None if envs is None else envs.stats()
+    )
 
 
 def _policy_meta(

@@ -662,7 +662,9 @@ class PPOTrainer:
     and `env_steps` (see `finetune.py`).
     """
 
-    def __init__(self, reference: Any, env_spec: str, config: PPOConfig, safety: SafetyFilter | None = None):
+    def __init__(
+        self, reference: Any, env_spec: str, config: PPOConfig, safety: SafetyFilter | None = None, envs: Any = None
+    ):
         self.config = c = config
         self.env_spec = env_spec
         self.safety = safety or SafetyFilter()
@@ -705,7 +707,8 @@ class PPOTrainer:
         # Phi of each environment's current state (subgoal_shaping). Like the running returns it lives only
         # between checkpoints: every environment is reset at a checkpoint, so a resume needs none of it.
         self.potential = np.zeros(c.num_envs)
-        self.envs = make_vector_env(env_spec, c.num_envs, self.safety.specs, c.vector)
+        # `envs`: environments built by the caller behind this safety filter (Ray actors, `RayVectorEnv`).
+        self.envs = envs if envs is not None else make_vector_env(env_spec, c.num_envs, self.safety.specs, c.vector)
         self.featurizer = Featurizer(reference, c.num_envs, self.envs.max_candidates)
         T, N, C, D = c.num_steps, c.num_envs, self.envs.max_candidates, int(reference.encoder.dim)
         # Rollout storage, preallocated with its shape.

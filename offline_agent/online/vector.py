@@ -123,7 +123,26 @@ def env_step(env: gym.Env, env_spec: str, action: int) -> tuple:
     return observation, float(reward), terminated, truncated, dict(info), reset_info
 
 
-# --- the two implementations ------------------------------------------------------------------------
+def env_play(env: gym.Env, action: int) -> tuple:
+    """One step without autoreset, as evaluation plays it (it resets each episode with that episode's seed)."""
+    observation, reward, terminated, truncated, info = env.step(action)
+    return observation, float(reward), bool(terminated), bool(truncated), dict(info)
+
+
+def env_apply(env: gym.Env, env_spec: str, operation: str, argument: int | None) -> tuple:
+    """One worker-side operation on one environment: ("reset", seed), ("step", action) with same-step
+    autoreset, or ("play", action) without. The in-process and the Ray implementations both run this, so a
+    rollout is the same whichever runs it; Ray also replays an environment's operations with it."""
+    if operation == "reset":
+        return env_reset(env, env_spec, argument)
+    if operation == "step":
+        return env_step(env, env_spec, int(argument))
+    if operation == "play":
+        return env_play(env, int(argument))
+    raise ValueError(f"unknown environment operation {operation!r}")
+
+
+# --- the implementations ----------------------------------------------------------------------------
 
 
 class SyncVectorEnv:
@@ -142,6 +161,14 @@ class SyncVectorEnv:
     def step(self, actions: Sequence[int]) -> VectorStep:
         results = [env_step(env, self.env_spec, int(a)) for env, a in zip(self.envs, actions, strict=True)]
         return _collect(results)
+
+    def reset_slots(self, seeds: dict[int, int]) -> dict[int, tuple[dict[str, Any], dict[str, Any]]]:
+        """Reset some environments (slot -> seed): {slot: (observation, reset info with "task")}."""
+        return {slot: env_reset(self.envs[slot], self.env_spec, int(seed)) for slot, seed in seeds.items()}
+
+    def play(self, actions: dict[int, int]) -> dict[int, tuple]:
+        """Step some environments (slot -> action) without autoreset: {slot: gymnasium's five-tuple}."""
+        return {slot: env_play(self.envs[slot], int(action)) for slot, action in actions.items()}
 
     def close(self) -> None:
         for env in self.envs:
