@@ -5,6 +5,8 @@ episodes into Parquet row groups, and sends every record that cannot be read
 to the quarantine with its location and reason. The summary reconciles:
 records read = records in the dataset + quarantined + skipped as duplicates.
 The dataset appears in one rename at the end (see `atomic_dataset_dir`).
+JSONL files in a built-in format may be cut into byte ranges read by worker
+processes (`parallel`) or Ray tasks (`ray_ingest`); the dataset is the same.
 """
 
 from __future__ import annotations
@@ -12,8 +14,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import shutil
-from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,14 +35,16 @@ from offline_agent.errors import UserError
 from offline_agent.ingest.options import SourceOptions
 from offline_agent.ingest.parallel import (
     MIN_PARALLEL_BYTES,
+    Chunk,
     ChunkResult,
     default_workers,
-    parallel_chunks,
+    in_order,
+    process_chunk,
     scan,
     start_pool,
 )
 from offline_agent.ingest.readers import read_records, sniff_layout
-from offline_agent.ingest.registry import FAST_FORMATS, FORMATS, resolve_adapter, user_adapter_items
+from offline_agent.ingest.registry import FAST_FORMATS, FORMATS, Adapter, resolve_adapter, user_adapter_items
 from offline_agent.ingest.writer import (
     REWARD_MODES,
     ROWS_PER_GROUP,
@@ -52,6 +55,7 @@ from offline_agent.ingest.writer import (
     quarantine_table,
     string_array,
 )
+from offline_agent.ray_backend import check_backend, require_ray
 from offline_agent.schema import QUARANTINE_SCHEMA, SCHEMA_VERSION, Episode, Quarantined
 
 LOG_SUFFIXES = (".jsonl", ".json", ".ndjson")
@@ -122,12 +126,20 @@ def ingest(
     progress: bool = False,
     workers: int | None = None,
     engine: str = "auto",
+    backend: str = "local",
+    ray_address: str | None = None,
 ) -> IngestSummary:
     """Ingest log files into the dataset at `out` (see the module docstring); returns the reconciled summary.
 
     `engine`: "auto" takes the fast adapter where a format has one (OpenAI chat: plain records
     straight into columns); "python" takes the reference adapters only. Both give the same dataset.
+    `backend`: "local" reads JSONL files of at least MIN_PARALLEL_BYTES with `workers` processes (default:
+    one per core, at most 8) and smaller files in this process; "ray" reads every JSONL file in a built-in
+    format other than steps-jsonl as Ray tasks on every CPU of the Ray at `ray_address` (see
+    `offline_agent.ray_backend`: None starts a local one), whatever its size. Both give the same dataset.
     """
+    if check_backend(backend) == "ray":
+        require_ray()  # before any work: without Ray, one line saying how to install it
     if engine not in ENGINES:
         raise UserError(f"unknown --engine {engine!r}: use one of {', '.join(ENGINES)}")
     if reward not in REWARD_MODES:
@@ -149,12 +161,12 @@ def ingest(
         settings = RowSettings(reward, gamma, split, success_threshold)
         quarantined: list[tuple[str, Quarantined]] = []
         run = _SourceRun(
-            writer, settings, known_ids, known_sha, quarantined, workers or default_workers(), engine == "auto"
+            writer, settings, known_ids, known_sha, quarantined, workers or default_workers(), engine == "auto",
+            backend, ray_address,
         )
         try:
             with _progress(progress) as bar:
-                for path in files:
-                    summary.sources.append(run.ingest(path, fmt, mapping, bar))
+                summary.sources.extend(run.ingest(files, fmt, mapping, bar))
         except BaseException:
             run.close(wait=True)  # no worker may still be writing when the temporary folder is removed
             raise
@@ -216,6 +228,20 @@ def _link_or_copy(src: Path, dst: Path) -> None:
 
 
 @dataclass
+class _Plan:
+    """One source as the driver plans it: byte ranges for the workers, or (no chunks) read here."""
+
+    path: Path
+    summary: SourceSummary
+    adapter_name: str
+    adapter: Adapter | None
+    opts: SourceOptions | None  # None: skipped
+    chunks: list[Chunk]
+    prefix: str = ""  # of the part files its chunks write
+    task: object = None  # its progress bar line
+
+
+@dataclass
 class _SourceRun:
     """The state one ingest shares across its sources: the writer, what is already known, the quarantine."""
 
@@ -226,46 +252,89 @@ class _SourceRun:
     quarantined: list[tuple[str, Quarantined]]
     workers: int
     fast: bool
-    #: worker processes, started at the first large JSONL source and shared by the rest (see `close`)
-    _pool: ProcessPoolExecutor | None = None
+    backend: str = "local"
+    ray_address: str | None = None
+    #: worker processes or Ray tasks (anything with `submit` and `shutdown`), started at the first source they
+    #: read and shared by the rest (see `close`)
+    _pool: object = None
     _parallel_sources: int = 0  # numbers the part files of each source read by the workers
 
-    def ingest(self, path: Path, fmt: str, mapping: dict[str, str], bar) -> SourceSummary:
+    def ingest(self, files: list[Path], fmt: str, mapping: dict[str, str], bar) -> list[SourceSummary]:
+        """Each source's summary, in file order.
+
+        Sources are planned (hashed, cut into ranges) ahead, while the workers read earlier ones, but their
+        results are taken strictly in file order: which copy of an episode is kept, and every count, are
+        those of reading the files one after another.
+        """
+        if self.backend == "ray":
+            self._start_pool()  # asked for Ray: started now, for its CPU count
+        plans = (self._plan(path, fmt, mapping) for path in files)
+        jobs = (((plan, i), call) for plan in plans for i, call in enumerate(self._calls(plan)))
+        summaries = []
+        for (plan, i), result in in_order(lambda *call: self._pool.submit(*call), 2 * self.workers, jobs):
+            source = plan.summary
+            if i == 0:
+                summaries.append(source)
+                if plan.opts is not None and bar:
+                    plan.task = bar.add_task(f"ingest {plan.path.name}", total=None)
+            if plan.opts is None:
+                continue
+            if result is None:
+                self._ingest_sequentially(plan.path, plan.adapter_name, plan.adapter, plan.opts, source, bar,
+                                          plan.task)
+            else:
+                self._take_chunk(result, source)
+                if bar:
+                    bar.update(plan.task, completed=source.records_read)
+        return summaries
+
+    def _plan(self, path: Path, fmt: str, mapping: dict[str, str]) -> _Plan:
         adapter_name, adapter = resolve_adapter(fmt, path, mapping) if path.stat().st_size else (fmt, None)
         if self.fast and adapter is not None:
             adapter = FAST_FORMATS.get(adapter_name, adapter)
-        parallel = (
-            self.workers > 1
-            and adapter is not None
-            and adapter_name in FORMATS
-            and adapter_name != "steps-jsonl"  # its episodes span lines anywhere in the file
-            and path.stat().st_size >= MIN_PARALLEL_BYTES
-            and sniff_layout(path) == "jsonl"
-        )
-        if parallel and self._pool is None:
-            self._pool = start_pool(self.workers)  # they import while this process hashes the file
-        sha, chunks = scan(path) if parallel else (file_sha256(path), [])
-        source = SourceSummary(path=str(path), sha256=sha, format=adapter_name)
+        by_workers = self._read_by_workers(path, adapter_name, adapter)
+        if by_workers and self._pool is None:
+            self._start_pool()  # they import while this process hashes the file
+        sha, chunks = scan(path) if by_workers else (file_sha256(path), [])
+        plan = _Plan(path, SourceSummary(path=str(path), sha256=sha, format=adapter_name), adapter_name, adapter,
+                     None, chunks)
         if sha in self.known_sha:
-            source.skipped = "already ingested (same sha256)"
-            return source
+            plan.summary.skipped = "already ingested (same sha256)"
+            plan.chunks = []
+            return plan
         self.known_sha.add(sha)
-        opts = SourceOptions(source=str(path), stem=path.stem, sha256=sha, mapping=mapping)
-        task = bar.add_task(f"ingest {path.name}", total=None) if bar else None
-        if parallel:
+        plan.opts = SourceOptions(source=str(path), stem=path.stem, sha256=sha, mapping=mapping)
+        if chunks:
             self._parallel_sources += 1
-            prefix = f"{self.writer.part}-{self._parallel_sources:03d}"
-            results = parallel_chunks(
-                self._pool, self.workers, path, chunks, adapter_name, opts, self.settings, self.writer.folder,
-                prefix, self.fast,
-            )
-            for result in results:
-                self._take_chunk(result, source)
-                if bar:
-                    bar.update(task, completed=source.records_read)
+            plan.prefix = f"{self.writer.part}-{self._parallel_sources:06d}"
+        return plan
+
+    def _read_by_workers(self, path: Path, adapter_name: str, adapter: Adapter | None) -> bool:
+        if adapter is None or adapter_name not in FORMATS or adapter_name == "steps-jsonl":
+            return False  # a user adapter reads its own file; steps-jsonl episodes span lines anywhere
+        if self.backend == "local" and (self.workers <= 1 or path.stat().st_size < MIN_PARALLEL_BYTES):
+            return False  # below this size, starting local processes costs more than it saves
+        return sniff_layout(path) == "jsonl"
+
+    def _calls(self, plan: _Plan) -> Iterable[tuple | None]:
+        """The pool calls of a source's chunks (chunk i writes the part `{prefix}-{i:06d}`, so parts sort in
+        file order), or one None: the source is read here (or skipped) when its turn comes."""
+        if not plan.chunks:
+            return [None]
+        return (
+            (process_chunk, plan.path, chunk, plan.adapter_name, plan.opts, self.settings, self.writer.folder,
+             f"{plan.prefix}-{i:06d}", self.fast)
+            for i, chunk in enumerate(plan.chunks)
+        )
+
+    def _start_pool(self) -> None:
+        if self.backend == "ray":
+            from offline_agent.ingest.ray_ingest import RayPool
+
+            self._pool = RayPool(self.ray_address)
+            self.workers = self._pool.workers
         else:
-            self._ingest_sequentially(path, adapter_name, adapter, opts, source, bar, task)
-        return source
+            self._pool = start_pool(self.workers)
 
     def close(self, wait: bool) -> None:
         """Stop the workers. After a complete run every part is written, so `wait=False` lets the idle

@@ -1,4 +1,4 @@
-"""Ingesting one large JSONL file with several worker processes.
+"""Ingesting JSONL files with several worker processes (or Ray tasks, see `ray_ingest`).
 
 Parsing and adapting records is pure-Python work bound to one core, so a large
 JSONL file is cut into byte ranges at line boundaries, and each worker turns a
@@ -7,8 +7,9 @@ dataset's temporary folder, named so that the parts sort in file order. The
 main process gets back only ids, digests and counts: shipping Arrow tables back
 to be written by one process cost more CPU than the writing itself. Line
 numbers are counted up front, so locations and the episode ids derived from
-them are identical to a single-process ingest. At most two ranges per worker
-are in flight, which bounds memory.
+them are identical to a single-process ingest. Results are taken in file
+order, ranges of later files starting while earlier ones finish; at most two
+ranges per worker are in flight, which bounds memory.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import importlib.abc
 import multiprocessing
 import os
 import sys
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from offline_agent.ingest.options import SourceOptions
 from offline_agent.ingest.readers import read_jsonl_range
@@ -36,6 +39,9 @@ HASH_BLOCKS_IN_FLIGHT = 4
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, from glibc's malloc.h
 #: Below this size the start-up of worker processes costs more than it saves.
 MIN_PARALLEL_BYTES = 48 << 20
+
+K = TypeVar("K")
+R = TypeVar("R")
 
 
 def default_workers() -> int:
@@ -173,7 +179,7 @@ def _warm_up() -> None:
     # pyarrow imports pandas, where installed, the first time it converts a list, only to ask whether the
     # list is a pandas object: 0.15 s of CPU per worker, whose lists never are.
     sys.meta_path.insert(0, _NoPandas())
-    _keep_freed_memory()
+    keep_freed_memory()
     import offline_agent.ingest.registry  # noqa: F401  (the adapters and pyarrow, imported once per worker)
 
 
@@ -184,7 +190,7 @@ class _NoPandas(importlib.abc.MetaPathFinder):
         return None
 
 
-def _keep_freed_memory(limit: int = 256 << 20) -> None:
+def keep_freed_memory(limit: int = 256 << 20) -> None:
     """Have glibc's malloc keep up to `limit` bytes of freed memory instead of handing it back to the kernel.
 
     Each chunk allocates and frees a few hundred MB of small objects and Arrow buffers; by default big blocks
@@ -199,28 +205,26 @@ def _keep_freed_memory(limit: int = 256 << 20) -> None:
         pass
 
 
-def parallel_chunks(
-    pool: ProcessPoolExecutor, workers: int, path: Path, chunks: list[Chunk], fmt: str, opts: SourceOptions,
-    settings: RowSettings, folder: Path, prefix: str, fast: bool = True,
-) -> Iterator[ChunkResult]:
-    """Chunk results in file order, computed by the pool's `workers` processes, two chunks each in flight.
+def in_order(
+    submit: Callable[..., Future[R]], window: int, jobs: Iterable[tuple[K, tuple | None]]
+) -> Iterator[tuple[K, R | None]]:
+    """(key, result) of each job in the order given, with up to `window` jobs started ahead of the one taken.
 
-    Chunk i writes the part `{prefix}-{i:06d}`, so parts sort in file order.
+    A job is (key, call): `submit(*call)` starts the call on a pool (`Executor.submit` or `RayPool.submit`);
+    a job whose call is None is work the caller does itself when its turn comes (result None). Jobs are
+    drawn lazily, so whatever plans them (hashing the next file) runs while the pool works on earlier ones.
     """
-    in_flight: list[Future[ChunkResult]] = []
-    queue = enumerate(chunks)
+    pending: deque[tuple[K, Future[R] | None]] = deque()
+    jobs = iter(jobs)
 
-    def submit(i: int, chunk: Chunk) -> None:
-        part = f"{prefix}-{i:06d}"
-        in_flight.append(pool.submit(process_chunk, path, chunk, fmt, opts, settings, folder, part, fast))
+    def fill() -> None:
+        while len(pending) < window and (job := next(jobs, None)) is not None:
+            key, call = job
+            pending.append((key, None if call is None else submit(*call)))
 
-    for i, chunk in queue:
-        submit(i, chunk)
-        if len(in_flight) >= 2 * workers:
-            break
-    while in_flight:
-        result = in_flight.pop(0).result()
-        following = next(queue, None)
-        if following is not None:
-            submit(*following)
-        yield result
+    fill()
+    while pending:
+        key, future = pending.popleft()
+        result = None if future is None else future.result()
+        fill()
+        yield key, result
