@@ -71,7 +71,8 @@ def encoder_settings(encoder: TextEncoder) -> dict[str, Any]:
         raise ValueError("encode_on_ray takes a one-view encoder: pass encoder.single_view()")
     return {
         "path": encoder.path,
-        "device": encoder.device,
+        # Ray shows a GPU actor only the GPU it reserved for it, as cuda:0, whichever the driver uses.
+        "device": "cuda" if encoder.device.startswith("cuda") else encoder.device,
         "max_length": encoder.max_length,
         "batch_size": encoder.batch_size,
         "precision": encoder.precision,
@@ -158,11 +159,18 @@ def encode_on_ray(
                 try:
                     worker_id, vectors = ray.get(ref)
                 except RayActorError as exc:
+                    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+                    cause = lines[-1][:300] if lines else type(exc).__name__
+                    # A model that does not load is no accident another actor would escape: stop at once.
+                    if exc.actor_init_failed:
+                        raise UserError(
+                            f"a Ray worker could not load the encoder from {encoder.path} ({cause}): install the "
+                            "same model at that path on every node"
+                        ) from None
                     if attempts[shard] >= MAX_ATTEMPTS:
-                        cause = [line for line in str(exc).splitlines() if line.strip()]
                         raise UserError(
                             f"Ray actors encoding with {encoder.path} died {MAX_ATTEMPTS} times on one shard; "
-                            f"last: {cause[-1].strip()[:300] if cause else type(exc).__name__}"
+                            f"last: {cause}"
                         ) from None
                     todo.appendleft(shard)  # to another actor; the dead one is not used again
                     continue
