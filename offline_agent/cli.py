@@ -16,6 +16,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import typer  # noqa: E402
 from rich.console import Console  # noqa: E402
+from rich.markup import escape  # noqa: E402
 from typer.core import TyperGroup  # noqa: E402
 
 from offline_agent.errors import UserError  # noqa: E402
@@ -34,7 +35,8 @@ class _OneLineErrors(TyperGroup):
         try:
             return super().invoke(ctx)
         except UserError as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            # escaped: a message's own brackets ("offline-agent[ray]", a JSON list) are text, not rich markup
+            console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
 
 
@@ -77,6 +79,8 @@ def ingest_command(
     engine: str = typer.Option(
         "auto", "--engine", help="auto (fast paths where a format has one) | python (reference adapters; same result)"
     ),
+    backend: str = typer.Option("local", "--backend", help=BACKEND_HELP + ": files and byte ranges as Ray tasks"),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Convert agent logs into a Parquet trajectory dataset; unreadable records go to its quarantine."""
     from offline_agent.dataset import validate_split_fractions
@@ -93,6 +97,7 @@ def ingest_command(
         paths, out, fmt=fmt, mapping=parse_mapping(map_), reward=reward, gamma=gamma,
         success_threshold=success_threshold, split=validate_split_fractions(*fractions), strict=strict,
         append=append, overwrite=overwrite, name=name, progress=sys.stderr.isatty(), engine=engine,
+        backend=backend, ray_address=ray_address,
     )
     _print_ingest_summary(summary)
 
@@ -285,18 +290,26 @@ def embed_command(
     ),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="texts per encoder forward pass"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+    backend: str = typer.Option("local", "--backend", help=BACKEND_HELP + ": new texts encoded by Ray actors"),
+    ray_address: str | None = typer.Option(None, "--ray-address", help=RAY_ADDRESS_HELP),
 ) -> None:
     """Embed every step's state text, every action and every candidate action, through the embedding cache."""
     from offline_agent.dataset import TrajectoryDataset
     from offline_agent.embed import CACHE_DIRNAME, EmbeddingCache, TextEncoder, dataset_texts
+    from offline_agent.ray_backend import check_backend, require_ray
 
+    if check_backend(backend) == "ray":
+        require_ray()  # before the encoder loads and the texts are rendered
     ds = TrajectoryDataset.open(dataset)
     text_encoder = TextEncoder(encoder, device=device, batch_size=batch_size, observation_view=observation_view)
     texts = dataset_texts(
         ds, k=k, max_tokens=text_encoder.max_length, count_tokens=text_encoder.count_tokens, keep_opening=keep_opening
     )
     cache = EmbeddingCache(ds.path / CACHE_DIRNAME, text_encoder)
-    cache.embed([*texts.states, *texts.actions, *texts.candidates], progress=sys.stderr.isatty())
+    cache.embed(
+        [*texts.states, *texts.actions, *texts.candidates], progress=sys.stderr.isatty(), backend=backend,
+        ray_address=ray_address,
+    )
     console.print(
         f"{len(texts.states)} states, {len(texts.actions)} actions, {len(texts.candidates)} candidates: "
         f"{cache.misses} new texts encoded, {cache.hits} cached -> {cache.folder}",
