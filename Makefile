@@ -27,8 +27,8 @@ $(VENV)/.installed-ray: $(VENV)/.installed-dev
 	$(PIP) install -q -e '.[dev,ray]'
 	touch $@
 
-$(VENV)/.installed-bench: $(VENV)/.installed-dev
-	$(PIP) install -q -e '.[dev,bench]'
+$(VENV)/.installed-bench: $(VENV)/.installed-ray
+	$(PIP) install -q -e '.[dev,ray,bench]'
 	touch $@
 
 demo: $(VENV)/.installed

@@ -57,6 +57,9 @@ BENCHMARKS = [
     ("real_logs_auc", "real_logs_auc.py", []),
     ("online", "online.py", []),
     ("rollout_speed", "rollout_speed.py", []),
+    # The Ray backend (the ray extra): rollouts by number of actors, and ingestion against the local engine.
+    ("ray_scale", "ray_scale.py", []),
+    ("ray_ingest", "ray_ingest.py", []),
     # A warmer start (--tau 0.5), then the same behind the rules a support team would write first: never ask for
     # a card's CVV, never delete an account.
     ("online_tau05", "online.py", ["--tau", "0.5", "--no-scratch"]),
