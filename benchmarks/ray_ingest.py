@@ -140,7 +140,8 @@ def main() -> None:
         f"Ingestion on a local Ray: {args.steps:,} steps in {records:,} OpenAI-chat records ({size_mb:,.0f} MB)",
         table + f"\n\n{verdict}. Seconds: the fastest of {args.repeats} runs, each in a fresh process, the contenders "
         "taking turns; the local Ray has one CPU per core, as `ingest --backend ray` starts it. Load average "
-        f"(1 min) {load_before:.1f} before and {load_after:.1f} after: other work shared the machine.",
+        f"(1 min) {load_before:.1f} before and {load_after:.1f} after (the runs' own processes count in it; above "
+        f"the {os.cpu_count()} cores, other work shared the machine).",
         f"python benchmarks/ray_ingest.py --steps {args.steps} --repeats {args.repeats}",
     )
 

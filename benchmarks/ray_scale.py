@@ -29,44 +29,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.rollout_speed import cql_run, rollout_rate  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-SIM = "pipeline"
 ENVS = {
     "PipelineRepair-v0 (~25 us a step)": "offline_agent/PipelineRepair-v0",
     "+ 50 ms tool wait a step": "benchmarks.tool_latency:sleep_50ms",
     "+ 20 ms of CPU a step": "benchmarks.tool_latency:busy_20ms",
 }
 ACTORS = (1, 2, 4, 8)
-
-
-def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, actors: int | None) -> float:
-    """Env steps/s of one rollout of about `steps` env steps from a fresh trainer (cold memo); `actors` None is
-    the local backend, else that many Ray actors (Ray already started)."""
-    import torch
-
-    from offline_agent.determinism import deterministic_torch
-    from offline_agent.learn.policy import Policy
-    from offline_agent.online.ppo import PPOConfig, PPOTrainer
-
-    with deterministic_torch(threads):
-        reference = Policy.load(run)
-        reference.encoder.encode(["a first forward pass loads the kernels"])  # not a rollout's cost
-        config = PPOConfig(num_envs=n_envs, num_steps=max(1, steps // n_envs), vector="sync", torch_threads=threads)
-        envs = None
-        if actors is not None:
-            from offline_agent.online.ray_envs import RayVectorEnv
-
-            envs = RayVectorEnv(env, n_envs, actors=actors)
-        trainer = PPOTrainer(reference, env, config, envs=envs)
-        try:
-            start = time.perf_counter()
-            with torch.no_grad():
-                trainer.collect_rollout(beta=0.1)
-            seconds = time.perf_counter() - start
-        finally:
-            trainer.close()
-    return config.batch_size / seconds
 
 
 def start_ray() -> tuple[float, str]:
@@ -97,22 +68,16 @@ def main() -> None:
     import shutil
 
     import ray
-    import torch
 
-    from benchmarks.online import offline_stage
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    run = offline_stage(SIM, Path(args.cache), args.cql_steps)
-    torch.set_num_threads(threads)
+    run = cql_run(Path(args.cache), args.cql_steps, args.threads)
     started, folder = start_ray()
     cpus = int(ray.cluster_resources().get("CPU", 0))
     print(f"local Ray with {cpus} CPUs started in {started:.1f} s", flush=True)
     rows = []
     try:
         for name, env in ENVS.items():
-            local = rollout_rate(run, env, args.envs, args.steps, args.threads, None)
-            rates = [rollout_rate(run, env, args.envs, args.steps, args.threads, a) for a in ACTORS]
+            local, _ = rollout_rate(run, env, args.envs, args.steps, args.threads)
+            rates = [rollout_rate(run, env, args.envs, args.steps, args.threads, ray_actors=a)[0] for a in ACTORS]
             best = max(rates)
             rows.append([name, f"{local:.1f}", *(f"{r:.1f}" for r in rates), f"{best / local:.2f}x"])
             print(f"{name}: local {local:.1f}, Ray {', '.join(f'{r:.1f}' for r in rates)} env steps/s", flush=True)

@@ -38,9 +38,10 @@ ENCODER_HEADER = ["encoder", "batch", "torch threads", "texts/s", "min cosine to
 
 
 def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, precision: str = "fp32",
-                 one_text_per_pass: bool = False) -> tuple[float, float]:
+                 one_text_per_pass: bool = False, ray_actors: int | None = None) -> tuple[float, float]:
     """(env steps/s, texts encoded per env step) of one rollout of about `steps` env steps from a fresh trainer
-    (cold memo), policy and encoder included."""
+    (cold memo), policy and encoder included. `ray_actors`: the environments in that many Ray actors
+    (`RayVectorEnv`, Ray already started) instead of the sync vector env."""
     import torch
 
     from offline_agent.determinism import deterministic_torch
@@ -53,7 +54,12 @@ def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, pre
             reference.encoder.batch_size = 1
         reference.encoder.encode(["a first forward pass loads the kernels"])  # not a rollout's cost
         config = PPOConfig(num_envs=n_envs, num_steps=max(1, steps // n_envs), vector="sync", torch_threads=threads)
-        trainer = PPOTrainer(reference, env, config)
+        envs = None
+        if ray_actors is not None:
+            from offline_agent.online.ray_envs import RayVectorEnv
+
+            envs = RayVectorEnv(env, n_envs, actors=ray_actors)
+        trainer = PPOTrainer(reference, env, config, envs=envs)
         try:
             start = time.perf_counter()
             with torch.no_grad():
@@ -78,6 +84,21 @@ def bare_rate(env: str, n_envs: int, seconds: float = 1.0) -> float:
     rate = steps / (time.perf_counter() - start)
     envs.close()
     return rate
+
+
+def cql_run(cache: Path, cql_steps: int, threads: int, retrain: bool = False) -> Path:
+    """The online benchmark's CQL run on the bundled PipelineRepair logs, trained once on `threads` threads and
+    cached under `cache`."""
+    import torch
+
+    from benchmarks.online import offline_stage
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return offline_stage(SIM, cache, cql_steps, retrain=retrain)
+    finally:
+        torch.set_num_threads(before)
 
 
 def rollout_rows(run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
@@ -155,15 +176,10 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print the tables only")
     args = parser.parse_args()
 
-    import torch
-
-    from benchmarks.online import offline_folder, offline_stage
+    from benchmarks.online import offline_folder
     from offline_agent.embed import TextEncoder
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.threads)
-    run = offline_stage(SIM, Path(args.cache), args.cql_steps, retrain=args.retrain)
-    torch.set_num_threads(threads)
+    run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain)
     rollouts = rollout_rows(run, ENV, args.steps, args.threads)
     counter = TextEncoder()
     texts = state_texts(run, offline_folder(Path(args.cache), SIM, 0) / "data", args.texts, counter.count_tokens)

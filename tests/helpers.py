@@ -24,6 +24,19 @@ def chat_record(reward: float | None = 1.0, n_calls: int = 2, call_id: str | Non
     return record
 
 
+def chat_lines_with_faults(n: int = 120) -> list[str]:
+    """`n` chat records as JSONL lines, with a broken line every 37 and a record of episode id "dup" every 50:
+    quarantined lines and duplicates that land in several byte ranges of a parallel ingest."""
+    lines = []
+    for i in range(n):
+        lines.append(json.dumps(chat_record(reward=float(i % 2), n_calls=1 + i % 4)))
+        if i % 37 == 5:
+            lines.append("{broken")
+        if i % 50 == 7:
+            lines.append(json.dumps(chat_record(episode_id="dup")))
+    return lines
+
+
 def write_jsonl(path: Path, records: list) -> Path:
     with open(path, "w") as f:
         for r in records:

@@ -15,7 +15,7 @@ from offline_agent.ingest import ingest
 from offline_agent.ingest import parallel as parallel_module
 from offline_agent.ingest.parallel import plan_chunks
 from offline_agent.ingest.writer import string_array
-from tests.helpers import chat_record
+from tests.helpers import chat_lines_with_faults, chat_record
 
 
 def _tables(path):
@@ -36,13 +36,7 @@ def test_chunks_start_at_line_starts_with_their_line_numbers(tmp_path):
 
 
 def test_parallel_ingest_equals_sequential_ingest(tmp_path, monkeypatch):
-    records = []
-    for i in range(120):
-        records.append(json.dumps(chat_record(reward=float(i % 2), n_calls=1 + i % 4)))
-        if i % 37 == 5:
-            records.append("{broken")
-        if i % 50 == 7:
-            records.append(json.dumps(chat_record(episode_id="dup")))  # the same id in several chunks
+    records = chat_lines_with_faults()
     src = tmp_path / "logs.jsonl"
     src.write_text("\n".join(records) + "\n")
 

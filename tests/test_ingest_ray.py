@@ -19,7 +19,7 @@ from offline_agent.errors import UserError
 from offline_agent.ingest import ingest
 from offline_agent.ingest import parallel as parallel_module
 from offline_agent.ingest.parallel import plan_chunks
-from tests.helpers import chat_record, write_jsonl
+from tests.helpers import chat_lines_with_faults, chat_record, write_jsonl
 from tests.test_ingest_parallel import _tables
 
 TIMESTAMPS = ("created_at", "updated_at", "ingested_at")
@@ -37,13 +37,7 @@ def _anthropic_record(episode_id: str, n_calls: int) -> dict:
 
 def _logs(folder):
     """Files of every kind, in the order given: which of them Ray reads, and which the driver, is in the comments."""
-    big = []
-    for i in range(120):
-        big.append(json.dumps(chat_record(reward=float(i % 2), n_calls=1 + i % 4)))
-        if i % 37 == 5:
-            big.append("{broken")
-        if i % 50 == 7:
-            big.append(json.dumps(chat_record(episode_id="dup")))  # the same id in several chunks
+    big = chat_lines_with_faults()
     steps = [{"episode_id": eid, "step": t, "observation": f"o{t}", "action": f"a{t}", "reward": 0.5, "done": t == 1}
              for eid in ("shared", "s2") for t in range(2)]
     anthropic = [_anthropic_record(f"an-{i}", 1 + i % 3) for i in range(8)] + [_anthropic_record("dup", 2)]
