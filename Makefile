@@ -7,7 +7,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench docs lint clean
 
 # torch first, pinned: the CPU build of 2.13.0 is what pip finds on this disk; an unpinned
 # torch (asked for by transformers or d3rlpy) would pull a multi-GB CUDA build.
@@ -36,6 +36,10 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed-dev
 	$(VENV)/bin/pytest -q
+
+# docs/cli.md from the parser (a test fails while it is stale)
+docs: $(VENV)/.installed
+	$(PY) -m offline_agent.cli_docs
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .

@@ -124,16 +124,43 @@ BENCHMARKS = [
 ]
 
 
+#: The results the README shows, one table per question; every other result is linked from it.
+README_RESULTS = (
+    "ingest", "envs", "train_speed", "offline_quality", "real_logs_auc", "online", "rollout_speed", "ray_scale",
+    "ray_ingest",
+)
+
+
 def splice_readme(readme: Path = README, results: Path = HERE / "results") -> None:
     text = readme.read_text()
     if START not in text or END not in text:
         raise SystemExit(f"{readme} has no {START} ... {END} markers")
-    blocks = [(results / f"{name}.md").read_text().strip() for name, _, _ in BENCHMARKS
-              if (results / f"{name}.md").exists()]
+    present = [name for name, _, _ in BENCHMARKS if (results / f"{name}.md").exists()]
+    blocks = [(results / f"{name}.md").read_text().strip() for name in present if name in README_RESULTS]
     body = "\n\n".join(blocks) if blocks else "_No results yet: run `make bench`._"
+    linked = [name for name in present if name not in README_RESULTS]
+    if linked:
+        body += "\n\n" + more_results(linked, results)
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     readme.write_text(f"{head}{START}\n{body}\n{END}{tail}")
+
+
+def more_results(names: list[str], results: Path) -> str:
+    """The other results as links: a line each, the online fine-tuning variants together on one."""
+    def link(name: str, label: str) -> str:
+        return f"[{label}](benchmarks/results/{name}.md)"
+
+    def title(name: str) -> str:
+        return (results / f"{name}.md").read_text().splitlines()[0].removeprefix("### ").strip()
+
+    online = [name for name in names if name.startswith("online_")]
+    lines = [f"- {link(name, title(name))}" for name in names if name not in online]
+    if online:
+        labels = ", ".join(link(name, name.removeprefix("online_")) for name in online)
+        lines.append(f"- Online fine-tuning with other settings (offline start, temperature, shaping, self-imitation, "
+                     f"validation, seed): {labels}")
+    return "More results (explorations and ablations), each with its command:\n\n" + "\n".join(lines)
 
 
 def main() -> None:

@@ -403,7 +403,7 @@ def finetune_command(
     tau: float | None = typer.Option(
         None, "--tau",
         help="temperature of the fine-tuned and reference policy softmax(Q / tau) [default: RUN's]; a higher one "
-        "keeps greedy play and lets PPO sample alternatives, where sampled episodes still succeed (README)",
+        "keeps greedy play and lets PPO sample alternatives, where sampled episodes still succeed (docs/finetuning.md)",
     ),
     subgoal_shaping: float = typer.Option(
         0.0, "--subgoal-shaping",

@@ -58,7 +58,7 @@ QUARANTINE_SCHEMA = pa.schema(
     ]
 )
 
-#: What each column means; the README's schema table is written from this.
+#: What each column means; the schema tables of docs/dataset.md are written from this.
 COLUMN_DOCS: dict[str, dict[str, str]] = {
     "steps": {
         "episode_id": "the episode this step belongs to (stable: derived from source and record)",
@@ -177,7 +177,7 @@ class Quarantined:
 
 
 def schema_markdown() -> str:
-    """The README's column tables, written from the schemas and `COLUMN_DOCS` so they cannot drift apart."""
+    """docs/dataset.md's column tables, written from the schemas and `COLUMN_DOCS` so they cannot drift apart."""
     parts = []
     for table, schema in (("steps", STEPS_SCHEMA), ("episodes", EPISODES_SCHEMA), ("quarantine", QUARANTINE_SCHEMA)):
         parts.append(f"`{table}`\n\n| column | type | meaning |\n|---|---|---|")
