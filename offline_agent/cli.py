@@ -585,6 +585,9 @@ def evaluate_command(
     seed: int = typer.Option(0, "--seed", help="episode i resets with a seed derived from (seed, i)"),
     dataset: str | None = typer.Option(None, "--dataset", help="also estimate the value by FQE on its test split"),
     fqe_steps: int = typer.Option(1500, "--fqe-steps", help="FQE gradient steps"),
+    fqe_runs: int = typer.Option(
+        3, "--fqe-runs", help="FQE fits (seeds SEED, SEED+1, ...): the interval covers the fit's noise too"
+    ),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
     encoder_precision: str = typer.Option(
         "fp32", "--encoder-precision",
@@ -621,7 +624,9 @@ def evaluate_command(
             ray_actors=ray_actors,
         ).to_dict()
     if dataset is not None:
-        fqe = off_policy_value(run, dataset, steps=fqe_steps, seed=seed, device=device, encoder=encoder)
+        fqe = off_policy_value(
+            run, dataset, steps=fqe_steps, seed=seed, device=device, encoder=encoder, runs=fqe_runs
+        )
         out["fqe"] = fqe.to_dict()
     if json_output:
         sys.stdout.write(json.dumps(out) + "\n")
@@ -639,11 +644,22 @@ def evaluate_command(
             + ("" if out["ray"] is None else f"; {_ray_summary(out['ray'])}")
         )
     if dataset is not None:
-        f = out["fqe"]
-        typer.echo(
-            f"FQE on {f['episodes']} held-out episodes of {f['dataset']} ({f['split']} split): "
-            f"value {f['fqe_value']:.3f} vs {f['behaviour_value']:.3f} for the logged behaviour (gamma {f['gamma']})"
-        )
+        typer.echo(_fqe_summary(out["fqe"]))
+
+
+def _fqe_summary(f: dict) -> str:
+    from offline_agent.evaluate import LOW_COVERAGE
+
+    low, high = f["fqe_ci95"]
+    line = (
+        f"FQE on {f['episodes']} held-out episodes of {f['dataset']} ({f['split']} split): value "
+        f"{f['fqe_value']:.3f} (95% CI {low:.3f}-{high:.3f}, {f['fqe_runs']} fits) vs {f['behaviour_value']:.3f} "
+        f"for the logged behaviour (gamma {f['gamma']}); coverage {f['coverage']:.2f} of the policy's choices "
+        f"logged in one of the {f['coverage_k']} most similar states"
+    )
+    if f["coverage"] < LOW_COVERAGE:
+        line += ": low, FQE extrapolates to actions the logs rarely show there, so do not trust the value"
+    return line
 
 
 def _safety_override(specs: list[str], off: bool, env: str | None) -> list[str] | None:

@@ -374,12 +374,22 @@ class OffPolicyReport:
     dataset: str
     split: str
     episodes: int
-    fqe_value: float  # estimated discounted value of the policy at the split's first states
+    fqe_value: float  # estimated discounted value of the policy at the split's first states (mean over runs)
     behaviour_value: float  # discounted return the logged episodes actually got
     gamma: float
+    fqe_ci95: tuple[float, float] = (math.nan, math.nan)  # bootstrap over the split's episodes and the FQE runs
+    fqe_runs: int = 1  # FQE fits, one per seed
+    coverage: float = math.nan  # share of the policy's choices logged in one of the k most similar states
+    coverage_k: int = 10
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        out["fqe_ci95"] = list(self.fqe_ci95)
+        return out
+
+
+#: Below this coverage the report warns that FQE extrapolates (`learn/confidence.py`).
+LOW_COVERAGE = 0.5
 
 
 def off_policy_value(
@@ -390,25 +400,50 @@ def off_policy_value(
     device: str = "cpu",
     encoder: Any = None,
     split: str = "test",
+    runs: int = 3,
+    coverage_k: int = 10,
 ) -> OffPolicyReport:
-    """FQE estimate of a run's (greedy) policy on the held-out split of `dataset`."""
-    from offline_agent.learn.features import build_features
-    from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation
+    """FQE estimate of a run's (greedy) policy on the held-out split of `dataset`, fitted `runs` times (seeds
+    `seed`, `seed + 1`, ...), with a bootstrap 95% interval over the split's episodes and the runs, and the
+    coverage of the policy's choices by the logs of the other splits (`learn/confidence.py`)."""
+    import torch
+
+    from offline_agent.learn.confidence import action_coverage, bootstrap_interval
+    from offline_agent.learn.features import SPLITS, build_features
+    from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation, policy_distribution
     from offline_agent.learn.policy import Policy
 
+    if runs < 1:
+        raise UserError(f"--fqe-runs must be at least 1, got {runs}")
     policy = Policy.load(run, encoder=encoder, device=device)
     gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
     features = build_features(dataset, policy.encoder, k=policy.k, keep_opening=policy.keep_opening)
-    config = FQEConfig(steps=steps, gamma=gamma, seed=seed, device=device, split=split, tau=policy.tau)
-    result = fitted_q_evaluation(features, policy.network, config)
-    if not math.isfinite(result.value):
-        raise UserError("FQE diverged (non-finite value): try fewer --fqe-steps or a smaller learning rate")
+    results = []
+    for r in range(runs):
+        config = FQEConfig(steps=steps, gamma=gamma, seed=seed + r, device=device, split=split, tau=policy.tau)
+        results.append(fitted_q_evaluation(features, policy.network, config))
+        if not math.isfinite(results[-1].value):
+            raise UserError("FQE diverged (non-finite value): try fewer --fqe-steps or a smaller learning rate")
+    values = np.stack([result.episode_values.numpy() for result in results])  # (runs, episodes)
+    rows = features.rows(split)
+    ids, _, probs = policy_distribution(policy.network, features, rows, policy.tau, greedy=True)
+    chosen = ids.gather(1, probs.argmax(1, keepdim=True))[:, 0]  # (n,) the greedy policy's action ids
+    logged = torch.nonzero(features.split != SPLITS.index(split)).flatten()  # the other splits' steps
+    coverage = math.nan
+    if logged.numel():
+        coverage = action_coverage(
+            features.state_emb[rows], chosen, features.state_emb[logged], features.action_id[logged], coverage_k
+        )
     return OffPolicyReport(
         policy=f"{policy.algo} ({run})",
         dataset=str(dataset),
         split=split,
-        episodes=result.episodes,
-        fqe_value=result.value,
-        behaviour_value=result.behaviour_value,
+        episodes=results[0].episodes,
+        fqe_value=float(values.mean()),
+        behaviour_value=results[0].behaviour_value,
         gamma=gamma,
+        fqe_ci95=bootstrap_interval(values, seed=seed),
+        fqe_runs=runs,
+        coverage=coverage,
+        coverage_k=coverage_k,
     )

@@ -1,0 +1,59 @@
+"""How sure an off-policy estimate is: a bootstrap interval, and how much of the policy the logs cover.
+
+FQE gives one number from one fit on one sample of episodes. Two things make it move: which episodes the
+test split happens to hold, and the fit itself (its seed: initialisation and batches). `bootstrap_interval`
+resamples both: each draw picks one of the FQE runs at random and resamples the split's episodes with
+replacement, and the interval is the percentiles of the draws' means.
+
+An estimate is only as good as the logs' support for what the policy does. `action_coverage` is the share
+of the policy's choices that the logs show in a similar state: for each evaluated state, is the action the
+policy picks the logged action of one of the `k` most similar logged states (cosine of the state vectors)?
+Where coverage is low, FQE extrapolates its Q to actions the logs never tried there, and its value is a
+guess (Logistics' CQL: FQE 0.44 against a true 0.04).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def bootstrap_interval(
+    values: np.ndarray, resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (R runs, E episodes): each of `resamples` draws
+    takes a run at random and E of its episodes with replacement."""
+    values = np.atleast_2d(np.asarray(values, dtype=np.float64))  # (R, E)
+    runs, episodes = values.shape
+    if episodes == 0:
+        raise ValueError("bootstrap_interval needs at least one episode")
+    rng = np.random.default_rng(seed)
+    run = rng.integers(runs, size=resamples)  # (S,)
+    pick = rng.integers(episodes, size=(resamples, episodes))  # (S, E)
+    means = values[run[:, None], pick].mean(axis=1)  # (S,)
+    tail = (1.0 - level) / 2.0
+    low, high = np.quantile(means, [tail, 1.0 - tail])
+    return float(low), float(high)
+
+
+@torch.no_grad()
+def action_coverage(
+    states: torch.Tensor,
+    chosen: torch.Tensor,
+    logged_states: torch.Tensor,
+    logged_actions: torch.Tensor,
+    k: int = 10,
+    chunk: int = 1024,
+) -> float:
+    """Share of `states` (n, D) whose `chosen` action id (n,) is the logged action (m,) of one of their `k`
+    most similar `logged_states` (m, D), by cosine similarity."""
+    if states.shape[0] == 0:
+        raise ValueError("action_coverage needs at least one state")
+    k = min(k, logged_states.shape[0])
+    logged = torch.nn.functional.normalize(logged_states.float(), dim=1)
+    covered = 0
+    for start in range(0, states.shape[0], chunk):
+        query = torch.nn.functional.normalize(states[start : start + chunk].float(), dim=1)
+        nearest = (query @ logged.T).topk(k, dim=1).indices  # (b, k) rows of the logs
+        covered += int((logged_actions[nearest] == chosen[start : start + chunk, None]).any(1).sum())
+    return covered / states.shape[0]

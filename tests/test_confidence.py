@@ -1,0 +1,53 @@
+"""How sure an off-policy estimate is: the bootstrap interval and the logs' coverage of the policy, on
+hand-built cases whose answers are known exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from offline_agent.learn.confidence import action_coverage, bootstrap_interval
+
+
+def test_the_interval_of_identical_values_is_that_value():
+    assert bootstrap_interval(np.full((3, 20), 0.25)) == (0.25, 0.25)
+
+
+def test_two_episodes_give_the_three_possible_means_with_their_probabilities():
+    # Resamples of (0, 1) have mean 0, 0.5 or 1 with probabilities 1/4, 1/2, 1/4: the 2.5% and 97.5%
+    # percentiles are the extremes.
+    assert bootstrap_interval(np.array([0.0, 1.0]), resamples=4000) == (0.0, 1.0)
+
+
+def test_fqe_runs_that_disagree_widen_the_interval_to_both():
+    # Each run is certain of its episodes; which run a draw picks is the only noise: half the draws say 0.2.
+    runs = np.array([[0.2] * 10, [0.6] * 10])
+    assert bootstrap_interval(runs) == pytest.approx((0.2, 0.6))
+    assert bootstrap_interval(runs[:1]) == pytest.approx((0.2, 0.2))
+
+
+def test_half_successes_match_the_binomial_interval():
+    values = np.array([0.0, 1.0] * 50)  # mean 0.5, the mean of 100 resampled episodes has sd 0.05
+    low, high = bootstrap_interval(values, resamples=20000, seed=3)
+    assert low == pytest.approx(0.5 - 1.96 * 0.05, abs=0.012) and high == pytest.approx(0.5 + 1.96 * 0.05, abs=0.012)
+    assert bootstrap_interval(values, resamples=20000, seed=3) == (low, high)  # a seed gives the same interval
+
+
+def test_coverage_counts_the_choices_logged_in_the_k_most_similar_states():
+    # Logged: state (1, 0) took action 0, (0, 1) took 1, (1, 1) took 2.
+    logged_states = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    logged_actions = torch.tensor([0, 1, 2])
+    states = torch.tensor([[1.0, 0.1], [0.1, 1.0], [1.0, 0.1], [0.2, 1.0]])
+    chosen = torch.tensor([0, 1, 1, 5])  # logged nearby, logged nearby, logged only 2 states away, never logged
+    assert action_coverage(states, chosen, logged_states, logged_actions, k=1) == 2 / 4
+    assert action_coverage(states, chosen, logged_states, logged_actions, k=3) == 3 / 4
+    # Chunks change nothing, and k larger than the logs takes them all.
+    assert action_coverage(states, chosen, logged_states, logged_actions, k=9, chunk=1) == 3 / 4
+
+
+def test_empty_inputs_are_errors():
+    with pytest.raises(ValueError, match="at least one episode"):
+        bootstrap_interval(np.zeros((2, 0)))
+    with pytest.raises(ValueError, match="at least one state"):
+        action_coverage(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), torch.eye(2), torch.tensor([0, 1]))
