@@ -662,6 +662,47 @@ def _fqe_summary(f: dict) -> str:
     return line
 
 
+@app.command("advise")
+def advise_command(
+    dataset: str = typer.Argument(..., help="dataset folder of the logs to advise on"),
+    run: str = typer.Argument(..., help="run folder of a trained policy (train or finetune)"),
+    split: str | None = typer.Option(None, "--split", help="train | valid | test [default: every step]"),
+    top: int = typer.Option(15, "--top", min=1, help="situations shown in the table"),
+    csv_path: str | None = typer.Option(None, "--csv", help="write every situation's advice to this CSV file"),
+    json_output: bool = typer.Option(False, "--json", help="print every situation as one JSON list"),
+    encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
+    device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
+) -> None:
+    """Where the policy disagrees with the logs, per tool and situation (first step, after an error, after a
+    result), ranked by the value it sees left on the table, and what it would have done instead."""
+    import json
+    import math
+    from dataclasses import asdict
+
+    from rich.table import Table
+
+    from offline_agent.advise import advise, write_csv
+
+    advice = advise(dataset, run, split=split, device=device, encoder=encoder)
+    if csv_path is not None:
+        write_csv(advice, csv_path)
+    if json_output:
+        sys.stdout.write(json.dumps([asdict(a) for a in advice]) + "\n")
+        return
+    table = Table(title=f"Where {run} disagrees with the logs of {dataset}", title_justify="left")
+    for column in ("tool", "situation", "steps", "disagrees", "value gap", "instead", "episode success"):
+        table.add_column(column, justify="right" if column in ("steps", "disagrees", "value gap") else "left")
+    for a in advice[:top]:
+        success = "n/a" if math.isnan(a.episode_success) else f"{a.episode_success:.0%}"
+        instead = f"{a.instead} ({a.instead_share:.0%})" if a.instead else ""
+        table.add_row(
+            a.tool, a.situation, str(a.steps), f"{a.disagreement_rate:.0%}", f"{a.value_gap:.2f}", instead, success
+        )
+    _stdout().print(table)
+    shown = min(top, len(advice))
+    typer.echo(f"{shown} of {len(advice)} situations" + (f"; all of them in {csv_path}" if csv_path else ""))
+
+
 def _safety_override(specs: list[str], off: bool, env: str | None) -> list[str] | None:
     """evaluate's `safety` argument: None keeps the run's saved rules, [] turns them off."""
     from offline_agent.online.safety import SPEC_HELP, split_specs

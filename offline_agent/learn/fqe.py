@@ -77,6 +77,26 @@ def fqe_target(
 
 
 @torch.no_grad()
+def candidate_q(
+    network: torch.nn.Module, features: Features, rows: torch.Tensor, chunk: int = 1024
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q of `network` at the steps `rows` (n,) over their deterministic candidate sets (`step_candidates`):
+    candidate ids (n, C), mask (n, C), Q (n, C) (-inf in masked slots)."""
+    ids, mask = step_candidates(features, rows)
+    device = next(network.parameters()).device
+    q = torch.empty(ids.shape, dtype=torch.float32)
+    for start in range(0, rows.shape[0], chunk):
+        sl = slice(start, start + chunk)
+        state = features.state_emb[rows[sl]].to(device)
+        cand = features.action_emb[ids[sl].clamp(min=0)].to(device)  # (b, C) -> (b, C, D)
+        pair = None
+        if getattr(network, "pair_dim", 0):
+            table = features.grounding_table()
+            pair = table.lookup(rows[sl], torch.where(mask[sl], ids[sl], -1), remember=False).to(device)
+        q[sl] = network.q_values(state, cand, mask[sl].to(device), pair).cpu()  # (b, C)
+    return ids, mask, q
+
+
 def policy_distribution(
     network: torch.nn.Module,
     features: Features,
@@ -86,23 +106,10 @@ def policy_distribution(
     chunk: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The evaluated policy at the steps `rows` (n,): candidate ids (n, C), mask (n, C), probabilities (n, C)."""
-    ids, mask = step_candidates(features, rows)
-    device = next(network.parameters()).device
-    probs = torch.zeros(ids.shape, dtype=torch.float32)
-    for start in range(0, rows.shape[0], chunk):
-        sl = slice(start, start + chunk)
-        state = features.state_emb[rows[sl]].to(device)
-        cand = features.action_emb[ids[sl].clamp(min=0)].to(device)  # (b, C) -> (b, C, D)
-        pair = None
-        if getattr(network, "pair_dim", 0):
-            table = features.grounding_table()
-            pair = table.lookup(rows[sl], torch.where(mask[sl], ids[sl], -1), remember=False).to(device)
-        q = network.q_values(state, cand, mask[sl].to(device), pair).cpu()  # (b, C)
-        if greedy:
-            probs[sl] = torch.nn.functional.one_hot(q.argmax(1), ids.shape[1]).float()
-        else:
-            probs[sl] = policy_probs(q, mask[sl], tau)
-    return ids, mask, probs
+    ids, mask, q = candidate_q(network, features, rows, chunk)
+    if greedy:
+        return ids, mask, torch.nn.functional.one_hot(q.argmax(1), ids.shape[1]).float()
+    return ids, mask, policy_probs(q, mask, tau)
 
 
 @deterministic_torch()  # a seed alone is not reproducible on several CPU threads
