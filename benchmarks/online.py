@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
 from benchmarks.rollout_speed import ENV, ROLLOUT_HEADER, rollout_note  # noqa: E402
-from offline_agent.online.ppo import DEFAULT_TARGET_KL, PPOConfig  # noqa: E402
+from offline_agent.online.config import DEFAULT_TARGET_KL, PPOConfig  # noqa: E402
 from offline_agent.online.validation import KEEP_RULES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -46,7 +46,8 @@ def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, pre
 
     from offline_agent.determinism import deterministic_torch
     from offline_agent.learn.policy import Policy
-    from offline_agent.online.ppo import PPOConfig, PPOTrainer
+    from offline_agent.online.config import PPOConfig
+    from offline_agent.online.ppo import PPOTrainer
 
     with deterministic_torch(threads):
         reference = Policy.load(run, precision=precision)

@@ -462,8 +462,8 @@ def finetune_command(
     ),
 ) -> None:
     """Fine-tune an offline policy online with PPO, kept near it by a KL penalty, behind a safety filter."""
+    from offline_agent.online.config import PPOConfig
     from offline_agent.online.finetune import finetune
-    from offline_agent.online.ppo import PPOConfig
 
     config = PPOConfig(
         iterations=iterations, num_envs=num_envs, num_steps=num_steps, target_kl=target_kl, beta=beta, seed=seed,

@@ -182,8 +182,8 @@ def test_bad_tuning_settings_are_one_line_errors(algo, settings, message, tmp_pa
 
 
 def test_fine_tuning_online_keeps_the_tuned_layers(tmp_path):
+    from offline_agent.online.config import PPOConfig
     from offline_agent.online.finetune import finetune
-    from offline_agent.online.ppo import PPOConfig
 
     result = _train_tuned(tmp_path, "cql")
     out = tmp_path / "ppo"

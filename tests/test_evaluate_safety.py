@@ -22,8 +22,8 @@ from offline_agent.actions import canonical_action
 from offline_agent.cli import app
 from offline_agent.errors import UserError
 from offline_agent.evaluate import evaluate
+from offline_agent.online.config import PPOConfig
 from offline_agent.online.finetune import finetune
-from offline_agent.online.ppo import PPOConfig
 
 runner = CliRunner()
 WIDGET = "online_envs:make_widget"

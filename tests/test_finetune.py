@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 
 from offline_agent.cli import app
 from offline_agent.errors import UserError
+from offline_agent.online.config import METRICS, PPOConfig
 from offline_agent.online.finetune import STATE_FILE, finetune
-from offline_agent.online.ppo import METRICS, PPOConfig
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"

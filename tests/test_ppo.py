@@ -10,16 +10,10 @@ import pytest
 import torch
 
 from offline_agent.errors import UserError
+from offline_agent.online.config import PPOConfig
 from offline_agent.online.kl import AdaptiveKLController, FixedKLController, entropy, exact_kl, masked_log_softmax
-from offline_agent.online.ppo import (
-    PPOConfig,
-    PPOTrainer,
-    clipped_policy_loss,
-    expected_value,
-    gae,
-    shaping_reward,
-    subgoal_potential,
-)
+from offline_agent.online.losses import clipped_policy_loss, expected_value, gae, shaping_reward, subgoal_potential
+from offline_agent.online.ppo import PPOTrainer
 
 # --- exact values ---------------------------------------------------------------------------------------
 
@@ -317,12 +311,12 @@ def test_kl_and_entropy_gradients_are_finite_with_padding_slots():
 
 def _kl_to_reference(trainer) -> float:
     """Mean exact KL(pi || pi_ref) over the states of the trainer's stored rollout."""
-    C, D = trainer.obs_cands.shape[2:]
-    state, cands = trainer.obs_state.reshape(-1, D), trainer.obs_cands.reshape(-1, C, D)
-    mask = trainer.masks.reshape(-1, C)
+    C, D = trainer.storage.obs_cands.shape[2:]
+    state, cands = trainer.storage.obs_state.reshape(-1, D), trainer.storage.obs_cands.reshape(-1, C, D)
+    mask = trainer.storage.masks.reshape(-1, C)
     with torch.no_grad():
         logp = masked_log_softmax(trainer.model.logits(state, cands, mask), mask)
-    return float(exact_kl(logp, trainer.ref_logps.reshape(-1, C), mask).mean())
+    return float(exact_kl(logp, trainer.storage.ref_logps.reshape(-1, C), mask).mean())
 
 
 @pytest.mark.parametrize("kl_gradient", [True, False])
@@ -404,5 +398,6 @@ def test_subgoal_shaping_in_the_rollout_rewards_follows_the_env_sub_goals(tiny_r
             expected[t, i] = weight * ((0.0 if done else gamma * next_phi) - phi)
             phi, waited, steps = (0.0, False, 0) if done else (next_phi, waited, steps)
     assert weight == 0.0 or np.abs(expected).max() > 0  # the rollout did make (and end with) progress
-    np.testing.assert_allclose(trainer.shaping.numpy(), expected, atol=1e-6)
-    torch.testing.assert_close(trainer.rewards, trainer.scores + trainer.shaping)
+    np.testing.assert_allclose(trainer.storage.shaping.numpy(), expected, atol=1e-6)
+    rollout = trainer.storage
+    torch.testing.assert_close(rollout.rewards, rollout.scores + rollout.shaping)

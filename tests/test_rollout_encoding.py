@@ -23,8 +23,9 @@ from offline_agent.embed import EmbeddingCache, EmbeddingMemo, TextEncoder, data
 from offline_agent.errors import UserError
 from offline_agent.evaluate import rollout_policy
 from offline_agent.learn.policy import Policy, encoder_for
+from offline_agent.online.config import PPOConfig
 from offline_agent.online.finetune import STATE_FILE, finetune
-from offline_agent.online.ppo import PPOConfig, PPOTrainer
+from offline_agent.online.ppo import PPOTrainer
 
 PIPELINE = "offline_agent/PipelineRepair-v0"
 runner = CliRunner()
@@ -95,8 +96,8 @@ def test_fine_tuning_rollouts_encode_a_steps_states_together_and_sample_as_one_t
             for trainer in trainers:
                 trainer.collect_rollout(beta=0.1)
         batched, alone = trainers
-        assert torch.equal(batched.actions, alone.actions)
-        torch.testing.assert_close(batched.obs_state, alone.obs_state, atol=1e-5, rtol=0)
+        assert torch.equal(batched.storage.actions, alone.storage.actions)
+        torch.testing.assert_close(batched.storage.obs_state, alone.storage.obs_state, atol=1e-5, rtol=0)
         # One encoder call per step at most (states, and new candidates in a pass of their own).
         assert batched.featurizer.memo.encoder_calls <= config.num_steps
         assert set(passes[1].sizes) == {1} and len(passes[0].sizes) < len(passes[1].sizes) / 2

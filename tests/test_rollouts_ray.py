@@ -154,8 +154,8 @@ def test_fine_tuning_on_ray_is_the_local_run(local_ray, tmp_path, one_torch_thre
     import polars as pl
     from safetensors.torch import load_file
 
+    from offline_agent.online.config import PPOConfig
     from offline_agent.online.finetune import finetune
-    from offline_agent.online.ppo import PPOConfig
 
     encoder = online_envs.tiny_encoder_folder(tmp_path / "encoder")
     run = online_envs.tiny_checkpoint(tmp_path / "run", encoder)

@@ -148,7 +148,8 @@ def tiny_run(tmp_path_factory):
 
 def test_fine_tuning_never_executes_a_blocked_action_and_logs_what_it_blocked(tiny_run):
     from offline_agent.learn.policy import Policy
-    from offline_agent.online.ppo import PPOConfig, PPOTrainer
+    from offline_agent.online.config import PPOConfig
+    from offline_agent.online.ppo import PPOTrainer
 
     torch.set_num_threads(1)
     online_envs.EXECUTED.clear()

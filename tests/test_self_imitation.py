@@ -11,9 +11,10 @@ import torch
 
 from offline_agent.actions import canonical_action
 from offline_agent.errors import UserError
+from offline_agent.online.config import PPOConfig
 from offline_agent.online.kl import masked_log_softmax
-from offline_agent.online.ppo import PPOConfig, PPOTrainer, imitation_steps
-from offline_agent.online.self_imitation import Step, SuccessBuffer, self_imitation_loss
+from offline_agent.online.ppo import PPOTrainer
+from offline_agent.online.self_imitation import Step, SuccessBuffer, imitation_steps, self_imitation_loss
 
 
 def test_the_loss_imitates_only_what_did_better_than_expected_and_leaves_v_alone():

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from offline_agent.learn.policy import Policy, candidate_texts
+from offline_agent.online.config import METRICS, PPOConfig
 from offline_agent.online.finetune import finetune
-from offline_agent.online.ppo import METRICS, PPOConfig
 from offline_agent.online.validation import PolicySelector, bar_to_keep, improves
 
 WIDGET = "online_envs:make_widget"

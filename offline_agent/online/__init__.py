@@ -1,7 +1,12 @@
 """Online fine-tuning: PPO with a KL penalty to the offline policy, parallel simulated environments, a safety filter.
 
-- `ppo.py`: `PPOConfig`, the math (GAE, clipped loss) and `PPOTrainer.train_iteration` (rollout, advantages,
-  update, metrics);
+- `ppo.py`: `PPOTrainer.train_iteration` (rollout, advantages, update, metrics), and what fine-tuning did;
+- `config.py`: `PPOConfig` (each setting, its help, its validation) and the metric names `METRICS`;
+- `losses.py`: the math as pure functions (GAE, the clipped loss, a policy's value, sub-goal shaping);
+- `actor_critic.py`: the policy head (residual on, or copy of, the offline network) and the value head;
+- `featurizer.py`: observations of N environments as tensors, through a text -> vector memo;
+- `rollout.py`: a rollout's preallocated storage and its episode and safety statistics;
+- `self_imitation.py`: the buffer of successful episodes and its loss;
 - `kl.py`: the exact KL over candidates and the fixed / adaptive (Ziegler et al. 2019) beta controllers;
 - `vector.py`: N environments in this process or in worker processes, with same-step autoreset;
 - `safety.py`: rules that forbid actions, and the env wrapper that never offers a forbidden one;

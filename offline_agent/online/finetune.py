@@ -10,7 +10,7 @@ The run folder RUN2 holds
                                       iteration's, chosen by its greedy success on N held-out episodes and the
                                       rule `--validation-keep` (`validation.py`; policy.json's "validation"
                                       says which)
-    metrics.parquet                   one row per iteration (names in `ppo.METRICS`), readable with DuckDB
+    metrics.parquet                   one row per iteration (names in `config.METRICS`), readable with DuckDB
     curves.png                        success rate, return, KL and beta against iterations
     resume.safetensors                the resume state (below); written every `config.checkpoint_every` iterations
     finetune.json                     source run and its weights' hash, environment, config, safety rules,
@@ -54,7 +54,8 @@ from safetensors.torch import load_file, save_file
 
 from offline_agent.determinism import deterministic_torch
 from offline_agent.errors import UserError
-from offline_agent.online.ppo import METRICS, PPOConfig, PPOTrainer
+from offline_agent.online.config import METRICS, PPOConfig
+from offline_agent.online.ppo import PPOTrainer
 from offline_agent.online.safety import SafetyFilter
 from offline_agent.online.validation import PolicySelector
 from offline_agent.ray_backend import check_backend, ray_session, require_ray
