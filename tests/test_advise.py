@@ -17,6 +17,7 @@ from offline_agent.advise import (
     AFTER_RESULT,
     FIRST,
     MESSAGE,
+    action_kind,
     action_label,
     advise,
     group_advice,
@@ -31,6 +32,13 @@ def test_actions_read_as_calls_or_messages():
     assert action_label('{"name":"retry","arguments":{"stage":2}}') == 'retry("stage":2)'
     assert action_label("All   fixed,\\nthanks.") == "say: All fixed,\\nthanks."
     assert action_label("x" * 100, width=10) == "say: xx..."
+
+
+def test_steps_are_grouped_by_tool_or_by_the_first_word_of_a_text_action():
+    assert action_kind("retry", '{"name":"retry","arguments":{}}') == "retry"
+    assert action_kind(None, "SELECT name FROM t;") == "say select"
+    assert action_kind(None, "'ls' -la") == "say ls"
+    assert action_kind(None, "  ") == MESSAGE
 
 
 def test_situations_come_from_the_step_index_and_the_previous_error():
