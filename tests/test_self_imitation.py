@@ -159,7 +159,8 @@ def test_without_self_imitation_there_is_no_buffer_and_the_metrics_are_zero(tiny
     trainer = PPOTrainer(Policy.load(tiny_run), "online_envs:make_widget", config)
     try:
         assert trainer.success_buffer is None
-        assert trainer.imitate() == {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": 0.0}
+        assert trainer.imitate() == {"loss/self_imitation": 0.0, "self_imitation/kl": 0.0,
+                                     "self_imitation/buffer_steps": 0.0}
     finally:
         trainer.close()
 
@@ -180,7 +181,8 @@ def test_imitation_waits_until_the_buffer_holds_self_imitation_start_steps(tiny_
         assert size > 0
         params = [p.detach().clone() for p in trainer.model.policy_head.parameters() if p.requires_grad]
         # Warming up: the buffer is reported, nothing is trained.
-        assert trainer.imitate() == {"loss/self_imitation": 0.0, "self_imitation/buffer_steps": float(size)}
+        assert trainer.imitate() == {"loss/self_imitation": 0.0, "self_imitation/kl": 0.0,
+                                     "self_imitation/buffer_steps": float(size)}
         trained = [p for p in trainer.model.policy_head.parameters() if p.requires_grad]
         assert all(torch.equal(a, b) for a, b in zip(params, trained, strict=True))
         trainer.config.self_imitation_start = size  # reached: two passes in minibatches of 4 rows
@@ -188,3 +190,34 @@ def test_imitation_waits_until_the_buffer_holds_self_imitation_start_steps(tiny_
         assert {int(trainer.optimizer.state[p]["step"]) for p in trained} == {imitation_steps(size, 2.0, 4)}
     finally:
         trainer.close()
+
+
+def test_imitation_is_held_near_the_reference_by_the_kl_penalty(tiny_run):
+    """Two trainers with the same seed fill the same success buffer; imitating it under beta = 10 ends much
+    closer to the reference policy on the imitated states than imitating it with no penalty."""
+    from offline_agent.learn.policy import Policy
+    from offline_agent.online.kl import exact_kl
+
+    def imitated(beta: float) -> tuple[float, dict[str, float]]:
+        config = PPOConfig(num_envs=2, num_steps=16, vector="sync", beta=0.0, self_imitation=1.0,
+                           self_imitation_epochs=8.0, num_minibatches=2, learning_rate=3e-2, checkpoint_every=100)
+        trainer = PPOTrainer(Policy.load(tiny_run), "online_envs:make_widget", config)
+        try:
+            for _ in range(20):
+                trainer.collect_rollout(beta=0.0)
+                if trainer.success_buffer.size >= 8:
+                    break
+            metrics = trainer.imitate(beta)
+            buffer, rows = trainer.success_buffer, slice(0, trainer.success_buffer.size)
+            with torch.no_grad():
+                args = (buffer.state[rows], buffer.cands[rows], buffer.mask[rows])
+                logp = masked_log_softmax(trainer.model.logits(*args), buffer.mask[rows])
+                ref_logp, _ = trainer.reference_policy(*args)
+            return float(exact_kl(logp, ref_logp, buffer.mask[rows]).mean()), metrics
+        finally:
+            trainer.close()
+
+    free, free_metrics = imitated(0.0)
+    held, held_metrics = imitated(10.0)
+    assert free > 0.05 and held < free / 3, (free, held)
+    assert 0 < held_metrics["self_imitation/kl"] < free_metrics["self_imitation/kl"]

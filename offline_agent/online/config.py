@@ -52,6 +52,7 @@ METRICS = (
     "loss/value",
     "loss/kl",
     "loss/self_imitation",
+    "self_imitation/kl",
     "self_imitation/buffer_steps",
     "charts/success_rate",
     "charts/episode_return",
