@@ -9,11 +9,11 @@ the groups are ranked by how much value the policy sees left on the table there:
 `Q(s, policy's action) - Q(s, logged action)`. Each group says how often the policy disagreed, its most
 frequent alternative, and the success rate of the episodes the steps belong to.
 
-Where the log records no candidates (most real logs), the policy chooses among every action the dataset
-knows, including other episodes' commands: the ranking of situations still says where the value head most
-disputes the logs, but its `instead` is then often an action from another task. On InterCode SQL (5,867
-steps, 8,500 distinct actions) a CQL run of 300 steps was 82-95% in disagreement everywhere, and `advise`
-took 4 minutes on 2 cores, most of it scoring every step against the whole vocabulary.
+Where the log records no candidates (most real logs), the policy chooses among the `alternatives` actions
+the logs take most often (default 256) besides the logged one. Scoring every step against the whole
+vocabulary (8,500 distinct commands on InterCode SQL) took 4 minutes on 2 cores and proposed other tasks'
+one-off queries; against the 256 most frequent it took 20 s, and the advice reads as a team can act on it
+(at an SQL agent's first step, `SHOW TABLES` before a `SELECT`).
 
 The values are the learned Q's, so the advice is as good as the policy (check it with `evaluate --dataset`:
 its coverage says how far the policy strays from what the logs show).
@@ -75,6 +75,29 @@ def action_kind(tool_name: str | None, action: str) -> str:
     return f"say {first}" if first else MESSAGE
 
 
+def most_frequent_actions(action_id: np.ndarray, n_actions: int, count: int) -> np.ndarray:
+    """The `count` action ids the logs take most often, most frequent first (ties: the lower id first)."""
+    frequency = np.bincount(action_id, minlength=n_actions)
+    return np.lexsort((np.arange(n_actions), -frequency))[:count]
+
+
+def advice_candidates(features: Any, rows: Any, alternatives: int) -> tuple[Any, Any]:
+    """Candidate ids (n, C) and mask (n, C) of the steps `rows`: the logged candidates, or where the log has
+    none the `alternatives` most frequent actions; the logged action always competes."""
+    import torch
+
+    logged = features.action_id[rows]  # (n,)
+    ids = features.candidate_ids[rows]  # (n, C)
+    frequent = torch.from_numpy(most_frequent_actions(features.action_id.numpy(), features.n_actions, alternatives))
+    width = max(ids.shape[1], frequent.numel())
+    ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]), value=-1)
+    frequent = torch.nn.functional.pad(frequent, (0, width - frequent.numel()), value=-1)
+    ids = torch.where(~features.has_candidates[rows][:, None], frequent[None, :], ids)
+    new = ~(ids == logged[:, None]).any(1, keepdim=True)  # (n, 1)
+    ids = torch.cat([ids, logged[:, None]], 1)  # (n, C + 1)
+    return ids, torch.cat([ids[:, :-1] >= 0, new], 1)
+
+
 def situations(step: np.ndarray, previous_error: np.ndarray) -> list[str]:
     """Each step's situation from its index in the episode and whether the step before produced an error."""
     return [FIRST if s == 0 else AFTER_ERROR if e else AFTER_RESULT for s, e in zip(step, previous_error, strict=True)]
@@ -123,15 +146,23 @@ def group_advice(
 
 
 def advise(
-    dataset: str | Path, run: str | Path, split: str | None = None, device: str = "cpu", encoder: Any = None
+    dataset: str | Path,
+    run: str | Path,
+    split: str | None = None,
+    device: str = "cpu",
+    encoder: Any = None,
+    alternatives: int = 256,
 ) -> list[Advice]:
-    """Advice of the policy of `run` on the logged steps of `dataset` (one split, or all of them)."""
+    """Advice of the policy of `run` on the logged steps of `dataset` (one split, or all of them); where a step
+    has no logged candidates, the policy chooses among the `alternatives` most frequent actions."""
     from offline_agent.dataset import TrajectoryDataset
     from offline_agent.errors import UserError
     from offline_agent.learn.features import SPLITS, build_features
-    from offline_agent.learn.fqe import candidate_q
+    from offline_agent.learn.fqe import q_over
     from offline_agent.learn.policy import Policy
 
+    if alternatives < 1:
+        raise UserError(f"--alternatives must be at least 1, got {alternatives}")
     if split is not None and split not in SPLITS:
         raise UserError(f"--split must be one of {', '.join(SPLITS)} (or left out for every step), got {split!r}")
     ds = TrajectoryDataset.open(dataset)
@@ -140,7 +171,8 @@ def advise(
     rows = features.rows(split)
     if rows.numel() == 0:
         raise UserError(f"dataset {ds.path} has no steps in its {split} split: advise on another --split")
-    ids, _, q = candidate_q(policy.network, features, rows)
+    ids, mask = advice_candidates(features, rows, alternatives)
+    q = q_over(policy.network, features, rows, ids, mask)
     best = q.argmax(1, keepdim=True)  # (n, 1) slots
     chosen = ids.gather(1, best)[:, 0]
     logged = features.action_id[rows]

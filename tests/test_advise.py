@@ -19,8 +19,10 @@ from offline_agent.advise import (
     MESSAGE,
     action_kind,
     action_label,
+    advice_candidates,
     advise,
     group_advice,
+    most_frequent_actions,
     situations,
 )
 from offline_agent.cli import app
@@ -39,6 +41,11 @@ def test_steps_are_grouped_by_tool_or_by_the_first_word_of_a_text_action():
     assert action_kind(None, "SELECT name FROM t;") == "say select"
     assert action_kind(None, "'ls' -la") == "say ls"
     assert action_kind(None, "  ") == MESSAGE
+
+
+def test_without_logged_candidates_the_most_frequent_actions_compete():
+    assert most_frequent_actions(np.array([2, 0, 2, 1, 1, 3]), 5, 3).tolist() == [1, 2, 0]  # 1 and 2 tie: 1 first
+    assert most_frequent_actions(np.array([4]), 5, 9).tolist() == [4, 0, 1, 2, 3]
 
 
 def test_situations_come_from_the_step_index_and_the_previous_error():
@@ -71,7 +78,7 @@ def pipeline():
 
 def test_advice_on_logs_agrees_with_the_policy_step_by_step(pipeline, one_torch_thread):
     from offline_agent.dataset import TrajectoryDataset
-    from offline_agent.learn.features import build_features, step_candidates
+    from offline_agent.learn.features import build_features
     from offline_agent.learn.policy import Policy
 
     advice = advise(pipeline["data"], pipeline["run"])
@@ -82,7 +89,7 @@ def test_advice_on_logs_agrees_with_the_policy_step_by_step(pipeline, one_torch_
     # Each step's disagreement, recomputed from the policy's own scoring of the state text and candidates.
     policy = Policy.load(pipeline["run"])
     features = build_features(pipeline["data"], policy.encoder, k=policy.k, keep_opening=policy.keep_opening)
-    ids, mask = step_candidates(features, features.rows())
+    ids, mask = advice_candidates(features, features.rows(), alternatives=256)
     actions = [features.vocab[i] for i in features.action_id.tolist()]
     episode = features.episode_index.tolist()
     disagree = 0

@@ -83,6 +83,15 @@ def candidate_q(
     """Q of `network` at the steps `rows` (n,) over their deterministic candidate sets (`step_candidates`):
     candidate ids (n, C), mask (n, C), Q (n, C) (-inf in masked slots)."""
     ids, mask = step_candidates(features, rows)
+    return ids, mask, q_over(network, features, rows, ids, mask, chunk)
+
+
+@torch.no_grad()
+def q_over(
+    network: torch.nn.Module, features: Features, rows: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+    chunk: int = 1024,
+) -> torch.Tensor:
+    """(n, C) Q of `network` at the steps `rows` (n,) over the candidate ids (n, C) where `mask`, else -inf."""
     device = next(network.parameters()).device
     q = torch.empty(ids.shape, dtype=torch.float32)
     for start in range(0, rows.shape[0], chunk):
@@ -94,7 +103,7 @@ def candidate_q(
             table = features.grounding_table()
             pair = table.lookup(rows[sl], torch.where(mask[sl], ids[sl], -1), remember=False).to(device)
         q[sl] = network.q_values(state, cand, mask[sl].to(device), pair).cpu()  # (b, C)
-    return ids, mask, q
+    return q
 
 
 def policy_distribution(
