@@ -33,8 +33,8 @@ TOOLS = ["inspect_logs", "retry_stage", "rollback", "patch_schema", "get_reserva
 
 def real_texts(encoder, n: int, seed: int) -> list[str] | None:
     """Distinct state and action texts rendered from the real logs, as `offline-agent embed` renders them."""
-    from offline_agent.embed import dataset_texts
     from offline_agent.ingest import ingest
+    from offline_agent.text.states import dataset_texts
 
     sources = [REAL / "tau_bench_airline", REAL / "intercode" / "bash_gpt-4"]
     if not all(s.is_dir() for s in sources):
@@ -85,7 +85,8 @@ def main() -> None:
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from offline_agent.embed import EmbeddingCache, TextEncoder, default_encoder_path
+    from offline_agent.text.cache import EmbeddingCache
+    from offline_agent.text.encoder import TextEncoder, default_encoder_path
 
     ours = TextEncoder(device=args.device, batch_size=args.batch_size)
     theirs = SentenceTransformer(default_encoder_path(), device=args.device)

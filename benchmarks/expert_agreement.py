@@ -27,11 +27,11 @@ def main() -> None:
     import torch
 
     from offline_agent.actions import canonical_action, parse_action
-    from offline_agent.embed import TextEncoder
     from offline_agent.envs.loading import make_env
     from offline_agent.learn.features import build_features
     from offline_agent.learn.policy import EpisodeHistory, Policy
     from offline_agent.learn.train import make_config, run_algorithm
+    from offline_agent.text.encoder import TextEncoder
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="offline_agent/Logistics-v0")

@@ -27,11 +27,11 @@ from benchmarks.offline_quality import BUDGETS, EVAL_SEED, make_dataset  # noqa:
 def main() -> None:
     import torch
 
-    from offline_agent.embed import TextEncoder
-    from offline_agent.evaluate import rollout_policy
     from offline_agent.learn.features import build_features
     from offline_agent.learn.policy import Policy
     from offline_agent.learn.train import make_config, run_algorithm
+    from offline_agent.online.play import rollout_policy
+    from offline_agent.text.encoder import TextEncoder
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="offline_agent/Logistics-v0")

@@ -71,11 +71,11 @@ def make_dataset(env: str, episodes: int, workdir: Path) -> Path:
 
 
 def run_env(env: str, budget: dict, algos: list[str], encoder, workdir: Path, log) -> dict:
-    from offline_agent.evaluate import rollout_policy
     from offline_agent.learn.features import build_features
     from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation
     from offline_agent.learn.policy import Policy
     from offline_agent.learn.train import make_config, run_algorithm
+    from offline_agent.online.play import rollout_policy
 
     t0 = time.perf_counter()
     dataset = make_dataset(env, budget["episodes"], workdir)
@@ -138,7 +138,7 @@ def main() -> None:
 
     import torch
 
-    from offline_agent.embed import TextEncoder
+    from offline_agent.text.encoder import TextEncoder
 
     torch.set_num_threads(args.threads)
     base = BUDGETS["full" if args.full else "default"]

@@ -257,8 +257,8 @@ def finished_run(folder: Path, run: Path, env: str, config, safety: str | None) 
     policy."""
     from dataclasses import asdict
 
+    from offline_agent.envs.safety import SafetyFilter
     from offline_agent.online.finetune import file_sha256
-    from offline_agent.online.safety import SafetyFilter
 
     summary = folder / "finetune.json"
     if not (summary.is_file() and (folder / "policy.json").is_file()):

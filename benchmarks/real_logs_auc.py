@@ -139,7 +139,7 @@ def run(name: str, dataset: Path, budget: dict, encoder, log) -> list[object]:
         ])
     # The task-only baseline: the task text's embedding (the encoder's cache makes this cheap).
     from offline_agent.dataset import TrajectoryDataset
-    from offline_agent.embed import CACHE_DIRNAME, EmbeddingCache
+    from offline_agent.text.cache import CACHE_DIRNAME, EmbeddingCache
 
     episodes = TrajectoryDataset.open(dataset).episodes_table().to_pydict()
     task_of = dict(zip(episodes["episode_id"], episodes["task"], strict=True))
@@ -173,7 +173,7 @@ def main() -> None:
 
     import torch
 
-    from offline_agent.embed import TextEncoder
+    from offline_agent.text.encoder import TextEncoder
 
     torch.set_num_threads(args.threads)
     budget = BUDGETS["full" if args.full else "default"]

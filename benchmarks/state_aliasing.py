@@ -32,10 +32,10 @@ THRESHOLDS = (0.98, 0.99, 0.995, 0.999)
 def labelled_states(env_spec: str, episodes: int, encoder, k: int, seed: int = 0) -> dict[str, set[str]]:
     """Distinct state texts -> the expert actions seen in them (a set: the same text may need several)."""
     from offline_agent.actions import canonical_action
-    from offline_agent.embed import render_state
     from offline_agent.envs.loading import make_env
     from offline_agent.envs.policies import make_policy
     from offline_agent.simulate import episode_seed
+    from offline_agent.text.states import render_state
 
     env = make_env(env_spec)
     behaviour = make_policy("noisy:0.5", seed)
@@ -83,7 +83,7 @@ def main() -> None:
 
     import torch
 
-    from offline_agent.embed import TextEncoder
+    from offline_agent.text.encoder import TextEncoder
 
     torch.set_num_threads(1)
     encoder = TextEncoder(max_length=args.max_length)

@@ -295,8 +295,10 @@ def embed_command(
 ) -> None:
     """Embed every step's state text, every action and every candidate action, through the embedding cache."""
     from offline_agent.dataset import TrajectoryDataset
-    from offline_agent.embed import CACHE_DIRNAME, EmbeddingCache, TextEncoder, dataset_texts
     from offline_agent.ray_backend import check_backend, require_ray
+    from offline_agent.text.cache import CACHE_DIRNAME, EmbeddingCache
+    from offline_agent.text.encoder import TextEncoder
+    from offline_agent.text.states import dataset_texts
 
     if check_backend(backend) == "ray":
         require_ray()  # before the encoder loads and the texts are rendered
@@ -668,9 +670,6 @@ def advise_command(
     run: str = typer.Argument(..., help="run folder of a trained policy (train or finetune)"),
     split: str | None = typer.Option(None, "--split", help="train | valid | test [default: every step]"),
     top: int = typer.Option(15, "--top", min=1, help="situations shown in the table"),
-    alternatives: int = typer.Option(
-        256, "--alternatives", help="where a step has no logged candidates: the most frequent actions it may choose"
-    ),
     csv_path: str | None = typer.Option(None, "--csv", help="write every situation's advice to this CSV file"),
     json_output: bool = typer.Option(False, "--json", help="print every situation as one JSON list"),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
@@ -686,7 +685,7 @@ def advise_command(
 
     from offline_agent.advise import advise, write_csv
 
-    advice = advise(dataset, run, split=split, device=device, encoder=encoder, alternatives=alternatives)
+    advice = advise(dataset, run, split=split, device=device, encoder=encoder)
     if csv_path is not None:
         write_csv(advice, csv_path)
     if json_output:
@@ -708,7 +707,7 @@ def advise_command(
 
 def _safety_override(specs: list[str], off: bool, env: str | None) -> list[str] | None:
     """evaluate's `safety` argument: None keeps the run's saved rules, [] turns them off."""
-    from offline_agent.online.safety import SPEC_HELP, split_specs
+    from offline_agent.envs.safety import SPEC_HELP, split_specs
 
     if (specs or off) and env is None:
         raise UserError("--safety and --no-safety apply to rollouts: add --env ENV")

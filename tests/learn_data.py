@@ -29,7 +29,7 @@ def root() -> Path:
 
 @functools.cache
 def encoder():
-    from offline_agent.embed import TextEncoder
+    from offline_agent.text.encoder import TextEncoder
 
     return TextEncoder()
 

@@ -177,9 +177,9 @@ def tiny_checkpoint(
     `observation_view`, over the encoder's two views."""
     import torch
 
-    from offline_agent.embed import TextEncoder
     from offline_agent.learn.networks import QNetwork
     from offline_agent.learn.policy import save_checkpoint
+    from offline_agent.text.encoder import TextEncoder
 
     encoder = TextEncoder(str(encoder_folder), max_length=64, observation_view=observation_view)
     torch.manual_seed(seed)

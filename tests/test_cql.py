@@ -252,7 +252,7 @@ FAST = {"steps": 300, "batch_size": 64, "hidden": 64, "learning_rate": 1e-3, "ta
 
 
 def _success(network, episodes: int = 60) -> float:
-    from offline_agent.evaluate import rollout_policy
+    from offline_agent.online.play import rollout_policy
 
     meta = {"algo": "test", "tau": 0.1, "k": learn_data.K, "max_tokens": 256}
     policy = Policy(network, learn_data.encoder(), meta)
@@ -262,7 +262,7 @@ def _success(network, episodes: int = 60) -> float:
 
 @pytest.mark.parametrize("cal_ql, min_gap", [(True, 0.03), (False, 0.1)])
 def test_cql_learns_to_open_the_lock_far_better_than_random(cal_ql, min_gap):
-    from offline_agent.evaluate import rollout_policy
+    from offline_agent.online.play import rollout_policy
 
     f = learn_data.color_lock_features()
     net, history = train_cql(f, CQLConfig(**FAST, cal_ql=cal_ql, log_every=50))
@@ -388,10 +388,10 @@ def test_a_checkpoint_from_another_encoder_is_refused(tmp_path):
 @pytest.mark.parametrize("k, keep_opening", [(2, False), (1, True)])
 def test_the_policy_renders_states_as_the_training_data_did(k, keep_opening):
     """The state text a Policy builds while playing is the text dataset_texts rendered from the logs."""
-    from offline_agent.embed import dataset_texts
     from offline_agent.envs.loading import make_env
     from offline_agent.envs.policies import make_policy
     from offline_agent.simulate import episode_seed
+    from offline_agent.text.states import dataset_texts
 
     logged = dataset_texts(learn_data.color_lock_dataset(), k=k, keep_opening=keep_opening).states
     if keep_opening:  # the setting changes the texts (the third step's shows its first turn)

@@ -10,16 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from offline_agent.embed import (
-    EmbeddingCache,
-    TextEncoder,
-    current_observation,
-    dataset_texts,
-    default_encoder_path,
-    render_state,
-    text_hash,
-)
 from offline_agent.errors import UserError
+from offline_agent.text.cache import EmbeddingCache, text_hash
+from offline_agent.text.encoder import TextEncoder, default_encoder_path
+from offline_agent.text.states import current_observation, dataset_texts, render_state
 
 TEXTS = [
     '{"name":"get_reservation","arguments":{"reservation_id":"ZFA04Y"}}',

@@ -16,8 +16,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from offline_agent.embed import EmbeddingCache, TextEncoder, dataset_texts
 from offline_agent.errors import UserError
+from offline_agent.text.cache import EmbeddingCache
+from offline_agent.text.encoder import TextEncoder
+from offline_agent.text.states import dataset_texts
 from tests.helpers import chat_record, write_jsonl
 
 # Eight texts a forward pass: the dataset's ~50 texts make several shards, spread over both of Ray's CPUs.
@@ -89,7 +91,7 @@ def test_observation_view_on_ray_stores_one_view_vectors_even_when_an_actor_is_k
 ):
     """One test for both, as each Ray run starts its actors (seconds on 2 cores): an observation-view encoder
     fills the plain encoder's cache, while one of its actors is killed mid-run and its shard goes to another."""
-    from offline_agent.embed_ray import ACTOR_PREFIX
+    from offline_agent.text.ray import ACTOR_PREFIX
 
     ray = local_ray
     viewed = TextEncoder(batch_size=BATCH_SIZE, observation_view=True)

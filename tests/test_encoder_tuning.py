@@ -12,18 +12,10 @@ from learn_envs import SPEC
 from safetensors.torch import load_file
 
 from offline_agent.errors import UserError
-from offline_agent.learn.encoder_tuning import (
-    ENCODER_FILE,
-    LAYER_PREFIX,
-    EncoderTop,
-    TokenStates,
-    additive_mask,
-    token_states,
-    tuned_encoder_id,
-    weights_digest,
-)
+from offline_agent.learn.encoder_tuning import ENCODER_FILE, EncoderTop, TokenStates, additive_mask, token_states
 from offline_agent.learn.policy import Policy
 from offline_agent.learn.train import train
+from offline_agent.text.tuning import LAYER_PREFIX, tuned_encoder_id, weights_digest
 
 TEXTS = [
     "hello",

@@ -132,7 +132,7 @@ def test_cql_with_the_pairwise_head_still_learns_to_open_the_lock():
     fast = {"steps": 300, "batch_size": 64, "hidden": 64, "learning_rate": 1e-3, "target_update_rate": 0.02}
     net, _ = train_cql(f, CQLConfig(**fast, head="pairwise"))
     assert isinstance(net, QNetwork)
-    from offline_agent.evaluate import rollout_policy
+    from offline_agent.online.play import rollout_policy
 
     meta = {"algo": "test", "tau": 0.1, "k": learn_data.K, "max_tokens": 256}
     outcomes = rollout_policy(SPEC, Policy(net, learn_data.encoder(), meta), 60, seed=123)

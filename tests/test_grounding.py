@@ -10,7 +10,6 @@ import torch
 from learn_envs import CODE_LOCK_SPEC
 
 from offline_agent.actions import tool_call_text
-from offline_agent.embed import render_state
 from offline_agent.learn.cql import CQLConfig, cql_loss, double_q_target
 from offline_agent.learn.features import build_features, make_batch
 from offline_agent.learn.grounding import (
@@ -24,6 +23,7 @@ from offline_agent.learn.grounding import (
 )
 from offline_agent.learn.networks import QHead, QNetwork, ResidualQNetwork, build_network
 from offline_agent.learn.policy import Policy, save_checkpoint
+from offline_agent.text.states import render_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -288,8 +288,8 @@ def code_lock_features():
 def test_grounded_cql_learns_to_type_the_code_it_is_shown(code_lock_features):
     """Every keypad shows a fresh 4-digit code and offers it among three made-up ones: grounding says which
     call's value is the one on the screen, which MiniLM's two vectors only roughly do."""
-    from offline_agent.evaluate import rollout_policy
     from offline_agent.learn.cql import train_cql
+    from offline_agent.online.play import rollout_policy
 
     f, enc = code_lock_features, learn_data.encoder()
     rates = {}

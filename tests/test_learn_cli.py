@@ -11,9 +11,10 @@ from learn_envs import SPEC
 from typer.testing import CliRunner
 
 from offline_agent.cli import app
-from offline_agent.evaluate import EpisodeOutcome, recovery_lengths, summarize, wilson_interval
+from offline_agent.evaluate import recovery_lengths, summarize, wilson_interval
 from offline_agent.learn.grounding import GROUNDING_FEATURES
 from offline_agent.learn.policy import Policy
+from offline_agent.online.play import EpisodeOutcome
 
 runner = CliRunner()
 
@@ -123,7 +124,7 @@ def test_train_a_grounded_policy_then_evaluate_it_with_fqe(dataset, tmp_path, mo
 
 
 def test_train_with_the_observation_view_then_evaluate_it_with_the_encoder_folder(dataset, tmp_path):
-    from offline_agent.embed import default_encoder_path
+    from offline_agent.text.encoder import default_encoder_path
 
     run = tmp_path / "run"
     result = runner.invoke(app, ["train", str(dataset), "--out", str(run), "--steps", "10", "--k", "1",

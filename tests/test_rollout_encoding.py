@@ -19,13 +19,15 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from offline_agent.cli import app
-from offline_agent.embed import EmbeddingCache, EmbeddingMemo, TextEncoder, dataset_texts, text_hash
 from offline_agent.errors import UserError
-from offline_agent.evaluate import rollout_policy
 from offline_agent.learn.policy import Policy, encoder_for
 from offline_agent.online.config import PPOConfig
 from offline_agent.online.finetune import STATE_FILE, finetune
+from offline_agent.online.play import rollout_policy
 from offline_agent.online.ppo import PPOTrainer
+from offline_agent.text.cache import EmbeddingCache, EmbeddingMemo, text_hash
+from offline_agent.text.encoder import TextEncoder
+from offline_agent.text.states import dataset_texts
 
 PIPELINE = "offline_agent/PipelineRepair-v0"
 runner = CliRunner()

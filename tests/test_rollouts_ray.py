@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from offline_agent.cli import app
 from offline_agent.errors import UserError
-from offline_agent.evaluate import evaluate, rollout_policy
+from offline_agent.evaluate import evaluate
 from offline_agent.learn.policy import Policy
+from offline_agent.online.play import rollout_policy
 from offline_agent.online.vector import SyncVectorEnv
 
 pytestmark = pytest.mark.ray

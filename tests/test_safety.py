@@ -10,14 +10,14 @@ import torch
 from online_envs import DROP, REPAIR, SORRY, WAIT
 
 from offline_agent.actions import canonical_action
-from offline_agent.errors import UserError
-from offline_agent.online.safety import (
+from offline_agent.envs.safety import (
     ALL_FORBIDDEN,
     STOP_CANDIDATE,
     SafetyFilter,
     SafetyWrapper,
     split_specs,
 )
+from offline_agent.errors import UserError
 from offline_agent.online.vector import build_env
 
 # --- specs ------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Each is a small model of a job LLM agents do in production, with hidden state,
 sparse reward (1.0 on success) and a privileged `expert_action()` for scripted
 behaviour policies. `make_env` builds any environment from a spec string (a
 registered id or `module.path:factory`) and checks that it follows the
-contract described in `loading.py`.
+contract described in `loading.py`. `safety.py` is the safety filter: rules that forbid
+candidate actions, and the wrapper that never offers a forbidden one to whatever acts on an environment.
 """
 
 from __future__ import annotations

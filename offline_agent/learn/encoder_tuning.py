@@ -16,9 +16,7 @@ embedded with gradient too, at a few times the states' compute (several distinct
 state).
 
 The tuned layers are saved next to the policy (`RUN/encoder.safetensors`); `TextEncoder.load_tuned_layers`
-puts them into a fresh copy of the base encoder at decision time, and the encoder's id becomes
-`<base id>-tuned-<digest of the weights>`, so that embedding caches of the base and the tuned encoder
-never mix.
+puts them into a fresh copy of the base encoder at decision time (`offline_agent.text.tuning`).
 
 Dimension letters: B batch, T tokens, D hidden width (= embedding width), N texts, V actions.
 """
@@ -26,7 +24,6 @@ Dimension letters: B batch, T tokens, D hidden width (= embedding width), N text
 from __future__ import annotations
 
 import copy
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -34,13 +31,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from offline_agent.embed import mean_pool
 from offline_agent.errors import UserError
 from offline_agent.learn.features import Batch, Features
+from offline_agent.text.encoder import mean_pool, progress_bar
+from offline_agent.text.tuning import LAYER_PREFIX, transformer_layers, tuned_encoder_id
 
 ENCODER_FILE = "encoder.safetensors"
-#: Prefix of the tuned layers' tensors in ENCODER_FILE: `layers.<i>.<name>` for the i-th of the top L.
-LAYER_PREFIX = "layers."
 
 
 @dataclass
@@ -71,18 +67,6 @@ class EncoderTuningSettings:
             )
         if not self.encoder_learning_rate > 0:
             raise UserError(f"encoder_learning_rate must be > 0, got {self.encoder_learning_rate}; e.g. 5e-5")
-
-
-def transformer_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's stack of transformer blocks: the ModuleList with `num_hidden_layers` entries."""
-    n = getattr(model.config, "num_hidden_layers", None)
-    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and n is not None and len(m) == n]
-    if not stacks:
-        raise UserError(
-            f"cannot find the transformer layers of encoder {type(model).__name__} (no list of "
-            f"{n} blocks): --tune-encoder-layers supports BERT-like encoders; train with frozen features"
-        )
-    return stacks[0]
 
 
 def layer_mask(model: nn.Module, attention_mask: torch.Tensor, hidden: torch.Tensor) -> Any:
@@ -132,11 +116,9 @@ class TokenStates:
 def token_states(encoder: Any, texts: Sequence[str], n_top: int, progress: bool = False) -> TokenStates:
     """The hidden states that enter the encoder's top `n_top` layers, for each of `texts` (truncated as
     `TextEncoder.encode` truncates them)."""
-    from offline_agent.embed import _progress
-
     model, n_layers = encoder.model, len(transformer_layers(encoder.model))
     chunks: list[torch.Tensor] = [torch.empty(0, encoder.dim, dtype=torch.float16)] * len(texts)
-    with _progress(progress, len(texts), "encoder states") as advance, torch.inference_mode():
+    with progress_bar(progress, len(texts), "encoder states") as advance, torch.inference_mode():
         for idx, batch in encoder.tokenized_batches(texts):
             hidden = model(**batch, output_hidden_states=True).hidden_states[n_layers - n_top]  # (B, T, D)
             lengths = batch["attention_mask"].sum(1).tolist()
@@ -227,16 +209,6 @@ class EncoderTop(nn.Module):
             if isinstance(module, LoRALinear):
                 state[f"{name}.weight"] = module.merged_weight()
         return {f"{LAYER_PREFIX}{name}": t.detach().cpu().contiguous() for name, t in state.items()}
-
-
-def weights_digest(state: dict[str, torch.Tensor]) -> str:
-    """sha256 hex of tensors by name (bytes, dtype, shape): names a tuned encoder in its id."""
-    h = hashlib.sha256()
-    for name in sorted(state):
-        t = state[name].detach().cpu().contiguous()
-        h.update(f"{name}\x00{t.dtype}\x00{tuple(t.shape)}\x00".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
 
 
 class EncoderTuner:
@@ -340,8 +312,3 @@ class EncoderTuner:
             "state_texts": len(self.states),
             "cached_tokens": int(self.states.hidden.shape[0] + self.actions.hidden.shape[0]),
         }
-
-
-def tuned_encoder_id(base_id: str, state: dict[str, torch.Tensor]) -> str:
-    return f"{base_id}-tuned-{weights_digest(state)[:12]}"
-

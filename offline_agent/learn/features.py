@@ -7,7 +7,7 @@ Monte-Carlo return-to-go (Cal-QL's floor) and the episode's split. Per
 vocabulary entry: the action embedding psi(a). The vocabulary is every distinct
 canonical action text the dataset holds, logged or offered as a candidate.
 
-Embeddings come from `offline_agent.embed` through the dataset's embedding
+Embeddings come from `offline_agent.text` through the dataset's embedding
 cache (`DATASET/embeddings/<encoder id>/`), so a second run over the same
 dataset encodes nothing. Learners then draw `Batch`es of rows with
 `make_batch`, which is where steps without logged candidates get theirs: M
@@ -142,7 +142,8 @@ def build_features(
     optionally, `count_tokens`, which makes the state text fit the encoder's window).
     """
     from offline_agent.dataset import TrajectoryDataset
-    from offline_agent.embed import CACHE_DIRNAME, DEFAULT_K, EmbeddingCache, dataset_texts
+    from offline_agent.text.cache import CACHE_DIRNAME, EmbeddingCache
+    from offline_agent.text.states import DEFAULT_K, dataset_texts
 
     if not isinstance(ds, TrajectoryDataset):
         ds = TrajectoryDataset.open(ds)

@@ -32,7 +32,7 @@ semicolons, bars, and full stops or colons before a space; a clause's content wo
 list, so a network trained with the first P of them reads the first P (`QHead`).
 
 "Occurs" is a case-insensitive match that does not start or end inside a word, so the value `7`
-does not occur in `17`. The state text is the one `offline_agent.embed.render_state` writes (task
+does not occur in `17`. The state text is the one `offline_agent.text.states.render_state` writes (task
 line, `[obs]` / `[act]` turns, current observation); values the agent itself wrote in earlier calls
 do not count as context: grounding is in what the user, the task or a tool said. `taken` is every
 action of the episode so far (training reads it from the log, a policy from its history); without
@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 from offline_agent.actions import TOOL_CALL, parse_action
-from offline_agent.embed import ACT_PREFIX as ACT
-from offline_agent.embed import OBS_PREFIX as OBS
-from offline_agent.embed import TASK_PREFIX as TASK
+from offline_agent.text.states import ACT_PREFIX as ACT
+from offline_agent.text.states import OBS_PREFIX as OBS
+from offline_agent.text.states import TASK_PREFIX as TASK
 
 GROUNDING_FEATURES = (
     "is_call",

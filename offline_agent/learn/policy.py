@@ -16,7 +16,7 @@ fp32 ones (`encoder_for`).
 
 `Policy.act(observation)` plays in an environment whose observations are
 `{"text", "candidates"}` dicts: it keeps the episode's turns, renders the state
-with `offline_agent.embed.render_state` exactly as the training states were
+with `offline_agent.text.states.render_state` exactly as the training states were
 rendered, embeds state and candidates (through a bounded memo, `EmbeddingMemo`,
 that encodes the new texts of a decision round in one call), and returns the
 index of the best candidate. `Policy.score(state_text, candidates)` ranks the
@@ -25,7 +25,7 @@ actions an LLM proposes (strings or tool-call dicts).
 `act` chooses among the candidates it is given: the safety rules a fine-tuned
 policy was trained under (`Policy.safety`) are applied by the environment, as
 in fine-tuning and `offline-agent evaluate`, with
-`SafetyWrapper(env, policy.safety)` from `offline_agent.online.safety`, which
+`SafetyWrapper(env, policy.safety)` from `offline_agent.envs.safety`, which
 also decides what happens when every candidate is forbidden (a choice the
 policy alone cannot make).
 
@@ -52,8 +52,8 @@ from offline_agent.learn.grounding import grounding_batch
 from offline_agent.learn.networks import build_network
 
 if TYPE_CHECKING:
-    from offline_agent.embed import EmbeddingMemo
-    from offline_agent.online.safety import SafetyFilter
+    from offline_agent.envs.safety import SafetyFilter
+    from offline_agent.text.cache import EmbeddingMemo
 
 FORMAT = "offline-agent-policy"
 FORMAT_VERSION = 1
@@ -159,7 +159,7 @@ def encoder_for(
     given = encoder is not None and not isinstance(encoder, str | Path)
     if not given or (tuned and getattr(encoder, "fp32_id", encoder.id) == tuned.get("base_id")):
         # A tuned policy is given its base encoder (e.g. by `evaluate --encoder`): a copy gets the layers.
-        from offline_agent.embed import TextEncoder
+        from offline_agent.text.encoder import TextEncoder
 
         if encoder is None:
             path = wanted.get("path")
@@ -226,7 +226,7 @@ class Policy:
         """`memo` may be shared by policies with the same encoder, e.g. when comparing several on the same
         episodes: their states often coincide. It is an `EmbeddingMemo` of `encoder`, or a dict (text ->
         vector) that a memo of this policy's own keeps its vectors in; by default the policy has its own."""
-        from offline_agent.embed import EmbeddingMemo
+        from offline_agent.text.cache import EmbeddingMemo
 
         self.network = network.to(device).eval()
         self.encoder = encoder
@@ -266,7 +266,7 @@ class Policy:
     @property
     def safety(self) -> SafetyFilter:
         """The safety rules saved with the policy (a fine-tuned run's `--safety`; none for an offline run)."""
-        from offline_agent.online.safety import SafetyFilter
+        from offline_agent.envs.safety import SafetyFilter
 
         specs = self.meta.get("safety") or []
         if not isinstance(specs, list) or not all(isinstance(spec, str) for spec in specs):
@@ -283,7 +283,7 @@ class Policy:
         return self.memo.embed(texts)
 
     def render(self, history: EpisodeHistory, observation_text: str) -> str:
-        from offline_agent.embed import render_state
+        from offline_agent.text.states import render_state
 
         count = getattr(self.encoder, "count_tokens", None) if self.max_tokens is not None else None
         return render_state(

@@ -92,7 +92,7 @@ def load_encoder(encoder: Any, device: str, observation_view: bool = False) -> A
     """A `TextEncoder` from a path (None = the packaged MiniLM), or `encoder` itself if it is one already
     (then its `observation_view` must be the one asked for)."""
     if encoder is None or isinstance(encoder, str | Path):
-        from offline_agent.embed import TextEncoder
+        from offline_agent.text.encoder import TextEncoder
 
         path = None if encoder is None else str(encoder)
         return TextEncoder(path=path, device=device, observation_view=observation_view)

@@ -1,4 +1,4 @@
-"""Online fine-tuning: PPO with a KL penalty to the offline policy, parallel simulated environments, a safety filter.
+"""Online fine-tuning: PPO with a KL penalty to the offline policy in parallel simulated environments, and rollouts.
 
 - `ppo.py`: `PPOTrainer.train_iteration` (rollout, advantages, update, metrics), and what fine-tuning did;
 - `config.py`: `PPOConfig` (each setting, its help, its validation) and the metric names `METRICS`;
@@ -8,7 +8,8 @@
 - `rollout.py`: a rollout's preallocated storage and its episode and safety statistics;
 - `self_imitation.py`: the buffer of successful episodes and its loss;
 - `kl.py`: the exact KL over candidates and the fixed / adaptive (Ziegler et al. 2019) beta controllers;
-- `vector.py`: N environments in this process or in worker processes, with same-step autoreset;
-- `safety.py`: rules that forbid actions, and the env wrapper that never offers a forbidden one;
+- `vector.py`: N environments in this process or in worker processes, with same-step autoreset (behind the
+  safety filter of `offline_agent.envs.safety`); `ray_envs.py`: the same on Ray actors;
+- `play.py`: a policy's episodes played in N environments (`rollout_policy`), shared with `evaluate`;
 - `finetune.py`: the job behind `offline-agent finetune` (metrics, plots, checkpoints, exact resume).
 """

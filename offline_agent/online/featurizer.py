@@ -33,12 +33,12 @@ class Featurizer:
     """Observations of N environments as tensors, rendered exactly as the offline policy renders states.
 
     Keeps each environment's episode history (task, turns) and the text -> vector memo
-    (`offline_agent.embed.EmbeddingMemo`), part of a run's resume state (see the module docstring).
+    (`offline_agent.text.cache.EmbeddingMemo`), part of a run's resume state (see the module docstring).
     """
 
     def __init__(self, reference: Any, num_envs: int, max_candidates: int):
-        from offline_agent.embed import EmbeddingMemo
         from offline_agent.learn.policy import EpisodeHistory
+        from offline_agent.text.cache import EmbeddingMemo
 
         self.reference = reference
         self.histories = [EpisodeHistory() for _ in range(num_envs)]

@@ -53,10 +53,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from offline_agent.determinism import deterministic_torch
+from offline_agent.envs.safety import SafetyFilter
 from offline_agent.errors import UserError
 from offline_agent.online.config import METRICS, PPOConfig
 from offline_agent.online.ppo import PPOTrainer
-from offline_agent.online.safety import SafetyFilter
 from offline_agent.online.validation import PolicySelector
 from offline_agent.ray_backend import check_backend, ray_session, require_ray
 
@@ -102,7 +102,7 @@ def finetune(
 ) -> FinetuneResult:
     """Fine-tune the policy of checkpoint `run` in environment `env` with PPO + KL, into run folder `out`.
 
-    `safety` is a safety-filter spec (see `offline_agent.online.safety`); `resume` continues `out` from its
+    `safety` is a safety-filter spec (see `offline_agent.envs.safety`); `resume` continues `out` from its
     last checkpoint (the other arguments must match the interrupted run's, except `config.iterations`).
     `encoder_precision` "bf16" runs the rollouts' encoder in bfloat16 (`TextEncoder`); the fine-tuned policy
     keeps the offline checkpoint's encoder, and plays with either. `backend="ray"` runs the environments in

@@ -109,6 +109,7 @@ import torch
 from torch import nn
 
 from offline_agent.envs.loading import task_text
+from offline_agent.envs.safety import SafetyFilter
 from offline_agent.learn.grounding import PAIR_DIM
 from offline_agent.online.actor_critic import build_actor_critic, build_optimizer
 from offline_agent.online.config import PPOConfig
@@ -129,7 +130,6 @@ from offline_agent.online.losses import (
     subgoal_potential,
 )
 from offline_agent.online.rollout import EpisodeStats, RolloutStorage
-from offline_agent.online.safety import SafetyFilter
 from offline_agent.online.self_imitation import SuccessBuffer, imitation_steps, self_imitation_loss
 from offline_agent.online.vector import make_vector_env
 

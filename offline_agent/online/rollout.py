@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from offline_agent.envs.safety import ALL_FORBIDDEN, SafetyFilter, add_blocked
 from offline_agent.learn.grounding import PAIR_DIM
-from offline_agent.online.safety import ALL_FORBIDDEN, SafetyFilter, add_blocked
 from offline_agent.online.self_imitation import Step
 
 

@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from offline_agent.embed import EmbeddingMemo
+from offline_agent.online.play import rollout_policy
+from offline_agent.text.cache import EmbeddingMemo
 
 #: Where validation episodes start by default (`episode_seed(VALIDATION_SEED, i)`).
 VALIDATION_SEED = 2000
@@ -92,7 +93,6 @@ class PolicySelector:
     def play(self, head: torch.nn.Module) -> tuple[int, int]:
         """(successes, env steps) of `head` played greedily on the validation episodes (`Policy` puts it in
         eval mode: pass a copy of a head in training)."""
-        from offline_agent.evaluate import rollout_policy
         from offline_agent.learn.policy import Policy
 
         policy = Policy(head, self.reference.encoder, self.reference.meta, memo=self.memo)

@@ -60,7 +60,7 @@ def build_env(env_spec: str, safety_specs: Sequence[str] = ()) -> gym.Env:
     is checked instead, so not even the check executes a forbidden action.
     """
     from offline_agent.envs import loading
-    from offline_agent.online.safety import SafetyFilter, SafetyWrapper
+    from offline_agent.envs.safety import SafetyFilter, SafetyWrapper
 
     safety = SafetyFilter.from_spec(safety_specs)
     if not safety:

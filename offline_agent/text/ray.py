@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from offline_agent.embed import TextEncoder, _progress, batch_positions
 from offline_agent.errors import UserError
 from offline_agent.ray_backend import ray_session
+from offline_agent.text.encoder import TextEncoder, batch_positions, progress_bar
 
 #: Shards per actor: enough that an actor which is slow (or dies) does not hold the run up at its end, few enough
 #: that the per-call overhead (a few ms) stays small beside a shard's encoding.
@@ -123,7 +123,7 @@ def encode_on_ray(
         if keep is not None and rows:
             keep(rows, np.concatenate(vectors))
 
-    with ray_session(ray_address) as ray, _progress(progress, len(texts), "encoding on ray") as advance:
+    with ray_session(ray_address) as ray, progress_bar(progress, len(texts), "encoding on ray") as advance:
         from ray.exceptions import RayActorError
 
         gpu = encoder.device.startswith("cuda")
