@@ -670,6 +670,9 @@ def advise_command(
     run: str = typer.Argument(..., help="run folder of a trained policy (train or finetune)"),
     split: str | None = typer.Option(None, "--split", help="train | valid | test [default: every step]"),
     top: int = typer.Option(15, "--top", min=1, help="situations shown in the table"),
+    alternatives: int = typer.Option(
+        256, "--alternatives", help="where a step has no logged candidates: the most frequent actions it may choose"
+    ),
     csv_path: str | None = typer.Option(None, "--csv", help="write every situation's advice to this CSV file"),
     json_output: bool = typer.Option(False, "--json", help="print every situation as one JSON list"),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
@@ -685,7 +688,7 @@ def advise_command(
 
     from offline_agent.advise import advise, write_csv
 
-    advice = advise(dataset, run, split=split, device=device, encoder=encoder)
+    advice = advise(dataset, run, split=split, device=device, encoder=encoder, alternatives=alternatives)
     if csv_path is not None:
         write_csv(advice, csv_path)
     if json_output:
