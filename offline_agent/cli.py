@@ -270,7 +270,7 @@ def drift_command(
         raise SystemExit(1)
 
 
-# --- embed: state/action embeddings into DATASET/embeddings (offline_agent/embed.py) ----------------------
+# --- embed: state/action embeddings into DATASET/embeddings (offline_agent/text/) ---------------------------
 
 
 @app.command("embed")
