@@ -381,9 +381,16 @@ def finetune_command(
     num_steps: int = typer.Option(128, "--num-steps", help="steps per environment per iteration"),
     target_kl: float | None = typer.Option(None, "--target-kl", help="adapt beta to this KL per step [default: 0.05]"),
     beta: float | None = typer.Option(None, "--beta", help="fixed KL weight instead of --target-kl (0 = no KL)"),
-    kl_horizon: int = typer.Option(
-        1000, "--kl-horizon", help="env steps over which --target-kl's controller moves beta by 20% at most"
+    kl_gain: float = typer.Option(
+        1.0, "--kl-gain", help="how fast --target-kl's controller follows the KL: beta *= (KL / target) ** gain "
+        "after each rollout, 4x up or 1.25x down at most"
     ),
+    trust_region: float | None = typer.Option(
+        1.5, "--trust-region",
+        help="a minibatch whose KL to the offline policy exceeds this many times --target-kl steps back toward it "
+        "instead of its objective (with --target-kl only)",
+    ),
+    no_trust_region: bool = typer.Option(False, "--no-trust-region", help="turn the trust region off"),
     safety: list[str] = typer.Option(
         [], "--safety", help="deny:TOOL,.. | regex:PATTERN | callable:mod:fn (join with ';' or repeat)"
     ),
@@ -469,7 +476,7 @@ def finetune_command(
 
     config = PPOConfig(
         iterations=iterations, num_envs=num_envs, num_steps=num_steps, target_kl=target_kl, beta=beta, seed=seed,
-        kl_horizon=kl_horizon,
+        kl_gain=kl_gain, trust_region=None if no_trust_region else trust_region,
         policy_init=policy_init, kl_gradient=kl_gradient, learning_rate=learning_rate, vector=vector, device=device,
         from_scratch=from_scratch, validation_episodes=validation_episodes, validation_keep=validation_keep,
         checkpoint_every=checkpoint_every, torch_threads=torch_threads, tau=tau, subgoal_shaping=subgoal_shaping,

@@ -7,7 +7,7 @@
 - `featurizer.py`: observations of N environments as tensors, through a text -> vector memo;
 - `rollout.py`: a rollout's preallocated storage and its episode and safety statistics;
 - `self_imitation.py`: the buffer of successful episodes and its loss;
-- `kl.py`: the exact KL over candidates and the fixed / adaptive (Ziegler et al. 2019) beta controllers;
+- `kl.py`: the exact KL over candidates and the fixed / adaptive beta controllers (the trust region: `ppo.py`);
 - `vector.py`: N environments in this process or in worker processes, with same-step autoreset (behind the
   safety filter of `offline_agent.envs.safety`); `ray_envs.py`: the same on Ray actors;
 - `play.py`: a policy's episodes played in N environments (`rollout_policy`), shared with `evaluate`;

@@ -18,9 +18,9 @@ Greedy success on 50 episodes from seed 1000, offline then after 24 iterations (
 - Logistics 15/50 -> 0/50. Its sampled episodes (15 steps, 1.3 nats of entropy a step) almost never
   succeeded (0-5% per iteration, none after iteration 10), so the score carried no signal. The normalised
   advantages were then noise scaled to unit size, and the policy walked away from the reference. The per-step
-  KL rose from 0.01 to 0.98 by iteration 19, twenty times the 0.05 target. The controller, which moves beta
-  by at most 20% per 1,000 env steps, only raised beta from 0.06 to 0.20.
-A controller five times as fast (`kl_horizon` 200 env steps, otherwise the same run but on 2 torch threads)
+  KL rose from 0.01 to 0.98 by iteration 19, twenty times the 0.05 target. The controller of the time, which
+  moved beta by at most 20% per 1,000 env steps, only raised beta from 0.06 to 0.20 (today's: `kl.py`).
+A controller five times as fast (a 200-step horizon, otherwise the same run but on 2 torch threads)
 held the KL at 0.2 a step at most, but Logistics still fell, to 7/50 (0.14 [0.07, 0.26]): its sampled
 success stayed at 0-8% (19% once). So `tau` stays an option (default: the checkpoint's). It helps where
 sampling at that temperature still succeeds, and hurts where an episode needs 15 right calls in a row.
@@ -48,6 +48,7 @@ METRICS = (
     "policy/clipfrac",
     "policy/entropy",
     "policy/update_steps",
+    "policy/pulled_back",
     "loss/policy",
     "loss/value",
     "loss/kl",
@@ -109,8 +110,15 @@ class PPOConfig:
         default=None, metadata={"help": f"adaptive KL target per step (--target-kl); default {DEFAULT_TARGET_KL}"}
     )
     init_beta: float = field(default=0.1, metadata={"help": "starting beta of the adaptive controller, > 0"})
-    kl_horizon: int = field(
-        default=1_000, metadata={"help": "env steps over which the controller moves beta by 20% at most"}
+    kl_gain: float = field(
+        default=1.0,
+        metadata={"help": "how fast the adaptive controller follows the KL: beta *= (KL / target) ** gain after "
+                  "each rollout, by 4x up or 1.25x down at most (kl.py), > 0"},
+    )
+    trust_region: float | None = field(
+        default=1.5,
+        metadata={"help": "stop an iteration's policy updates (PPO and self-imitation) once a minibatch's KL to the "
+                  "offline policy exceeds this many times the target KL (after one step); None = no limit"},
     )
     tau: float | None = field(
         default=None,
@@ -185,7 +193,7 @@ class PPOConfig:
             self.target_kl = DEFAULT_TARGET_KL
         if self.tau is not None and not self.tau > 0:
             raise UserError(f"--tau must be > 0, got {self.tau}; e.g. 0.5 (leave it out to keep the checkpoint's)")
-        positive = ("iterations", "num_envs", "num_steps", "update_epochs", "num_minibatches", "kl_horizon")
+        positive = ("iterations", "num_envs", "num_steps", "update_epochs", "num_minibatches")
         positive += ("checkpoint_every", "self_imitation_buffer")
         for name in positive + ("value_hidden", "torch_threads"):
             if getattr(self, name) < 1:
@@ -198,6 +206,8 @@ class PPOConfig:
         for name in ("gamma", "gae_lambda"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise UserError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.trust_region is not None and not self.trust_region >= 1:
+            raise UserError(f"trust_region must be >= 1 (times the target KL), got {self.trust_region}; e.g. 2")
         if self.max_update_kl is not None and not self.max_update_kl > 0:
             raise UserError(f"max_update_kl must be > 0 (or None to never stop early), got {self.max_update_kl}")
         if self.policy_init not in DEFAULT_LEARNING_RATES:
@@ -208,7 +218,7 @@ class PPOConfig:
             self.learning_rate = DEFAULT_LEARNING_RATES[self.policy_init]
         if self.value_learning_rate is None:
             self.value_learning_rate = self.learning_rate
-        for name in ("learning_rate", "value_learning_rate", "clip_coef", "max_grad_norm", "init_beta",
+        for name in ("learning_rate", "value_learning_rate", "clip_coef", "max_grad_norm", "init_beta", "kl_gain",
                      "self_imitation_epochs"):
             if not getattr(self, name) > 0:
                 raise UserError(f"{name} must be > 0, got {getattr(self, name)}")

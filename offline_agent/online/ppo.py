@@ -159,7 +159,7 @@ class PPOTrainer:
         self.kl_controller: FixedKLController | AdaptiveKLController = (
             FixedKLController(c.beta)
             if c.beta is not None
-            else AdaptiveKLController(c.init_beta, c.target_kl, c.kl_horizon)
+            else AdaptiveKLController(c.init_beta, c.target_kl, c.kl_gain)
         )
         self.generator = torch.Generator().manual_seed(c.seed)
         self.iteration = 0
@@ -224,18 +224,21 @@ class PPOTrainer:
         if c.anneal_lr:
             for group, lr in zip(self.optimizer.param_groups, (c.learning_rate, c.value_learning_rate), strict=True):
                 group["lr"] = lr * (1.0 - self.iteration / c.iterations)
+        stats = self.collect_rollout(self.kl_controller.beta)
+        rollout = self.storage
+        # beta adapts to this rollout's KL before the update that uses it, one rollout sooner than after it
+        # (`kl.py`); PPO's rewards are re-weighed by it. The success buffer keeps the rollout's own weighing.
+        mean_kl = float(rollout.kls.mean())
+        self.kl_controller.update(mean_kl)
         beta = self.kl_controller.beta
-        stats = self.collect_rollout(beta)
+        rollout.rewards.copy_(rollout.scores + rollout.shaping - beta * rollout.kls)
         with torch.no_grad():
             state, cands, mask, pair = self.featurizer.tensors(self.observations)
             _, ref_value = self.reference_policy(state, cands, mask, pair)
             next_value = self.model.value(state, ref_value)
-        rollout = self.storage
         advantages, returns = gae(rollout.rewards, rollout.values, rollout.dones, next_value, c.gamma, c.gae_lambda)
         update = self.update(advantages, returns, beta)
         update |= self.imitate(beta)
-        mean_kl = float(rollout.kls.mean())
-        self.kl_controller.update(mean_kl, c.batch_size)
         self.iteration += 1
         self.env_steps += c.batch_size
         return {
@@ -252,7 +255,8 @@ class PPOTrainer:
         }
 
     def collect_rollout(self, beta: float) -> dict[str, float]:
-        """Fill the storage with `num_steps` steps of each environment; returns episode and safety statistics."""
+        """Fill the storage with `num_steps` steps of each environment, their rewards weighing the KL by `beta`
+        (as the success buffer records them); returns episode and safety statistics."""
         c, f, rollout = self.config, self.featurizer, self.storage
         stats = EpisodeStats(self.safety)
         if self.observations is None or self.iteration % c.checkpoint_every == 0:
@@ -330,7 +334,7 @@ class PPOTrainer:
             loss = self_imitation_loss(taken, buffer.returns[rows].to(dev), values)
             kl = exact_kl(logp, ref_logp, mask).mean()
             self.optimizer.zero_grad(set_to_none=True)
-            (c.self_imitation * loss + beta * kl).backward()
+            (kl if self.outside_trust_region(kl) else c.self_imitation * loss + beta * kl).backward()
             nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
             self.optimizer.step()
             total += loss.item()
@@ -340,6 +344,19 @@ class PPOTrainer:
             "self_imitation/kl": total_kl / steps,
             "self_imitation/buffer_steps": float(size),
         }
+
+    def outside_trust_region(self, kl_to_reference: torch.Tensor) -> bool:
+        """Whether a minibatch's mean KL(pi || pi_ref) is past `trust_region` x the target KL.
+
+        Such a minibatch's policy step (PPO's or self-imitation's) descends that KL alone, a step back toward
+        the reference, instead of its objective. Stopping the iteration's updates there instead left the
+        policy parked at the edge: the penalty's gradient had one step an iteration to pull it back, the
+        controller wound beta up to 30-340 meanwhile, and when the KL finally fell, beta took 10-20
+        iterations to come down, the policy pinned to the reference all along (Widget and Lure, tests'
+        envs). Adam scales a step by its gradient's running size, so the pull does not need beta's weight.
+        With a fixed beta there is no target, and no region."""
+        target, factor = self.config.target_kl, self.config.trust_region
+        return target is not None and factor is not None and float(kl_to_reference.detach()) > factor * target
 
     def update(self, advantages: torch.Tensor, returns: torch.Tensor, beta: float) -> dict[str, float]:
         """`update_epochs` passes of clipped-PPO minibatch steps over the flattened rollout.
@@ -355,7 +372,7 @@ class PPOTrainer:
         b_returns = returns.reshape(-1).to(dev)
         names = ("loss/policy", "loss/value", "loss/kl", "policy/entropy", "policy/clipfrac", "policy/approx_kl")
         sums = dict.fromkeys(names, 0.0)
-        n_updates, stop = 0, False
+        n_updates, pulled, stop = 0, 0, False
         self.model.train()
         for _ in range(c.update_epochs):
             if stop:
@@ -372,8 +389,12 @@ class PPOTrainer:
                 pg = clipped_policy_loss(new_logp, b.logprobs[mb], mb_advantages, c.clip_coef)
                 ent = entropy(logp, mb_mask).mean()
                 v_loss = 0.5 * (self.model.value(b.state[mb], b.ref_values[mb]) - b_returns[mb]).pow(2).mean()
-                kl_loss = beta * exact_kl(logp, b.ref_logps[mb], mb_mask).mean()
-                loss = pg.loss - c.ent_coef * ent + c.vf_coef * v_loss + (kl_loss if c.kl_gradient else 0.0)
+                ref_kl = exact_kl(logp, b.ref_logps[mb], mb_mask).mean()
+                kl_loss = beta * ref_kl
+                policy_loss = pg.loss - c.ent_coef * ent + (kl_loss if c.kl_gradient else 0.0)
+                if self.outside_trust_region(ref_kl):
+                    policy_loss, pulled = ref_kl, pulled + 1
+                loss = policy_loss + c.vf_coef * v_loss
                 # Stop before a step that would carry the policy further from the rollout's (most needed by a
                 # copied head, whose logits move 1/tau times as much as its weights).
                 if n_updates and c.max_update_kl is not None and pg.approx_kl > c.max_update_kl:
@@ -387,4 +408,5 @@ class PPOTrainer:
                 for key, value in zip(names, values, strict=True):
                     sums[key] += value
                 n_updates += 1
-        return {**{key: value / n_updates for key, value in sums.items()}, "policy/update_steps": float(n_updates)}
+        means = {key: value / n_updates for key, value in sums.items()}
+        return {**means, "policy/update_steps": float(n_updates), "policy/pulled_back": pulled / n_updates}
