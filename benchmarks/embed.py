@@ -34,14 +34,14 @@ TOOLS = ["inspect_logs", "retry_stage", "rollback", "patch_schema", "get_reserva
 def real_texts(encoder, n: int, seed: int) -> list[str] | None:
     """Distinct state and action texts rendered from the real logs, as `offline-agent embed` renders them."""
     from offline_agent.ingest import ingest
-    from offline_agent.text.states import dataset_texts
+    from offline_agent.text.states import StateSettings, dataset_texts
 
     sources = [REAL / "tau_bench_airline", REAL / "intercode" / "bash_gpt-4"]
     if not all(s.is_dir() for s in sources):
         return None
     with tempfile.TemporaryDirectory() as tmp:
         ingest(sources, Path(tmp) / "ds")
-        texts = dataset_texts(Path(tmp) / "ds", k=3, max_tokens=encoder.max_length, count_tokens=encoder.count_tokens)
+        texts = dataset_texts(Path(tmp) / "ds", StateSettings(k=3).for_encoder(encoder), encoder.count_tokens)
     pool = sorted(set(texts.states) | set(texts.actions))
     random.Random(seed).shuffle(pool)
     return pool[:n] if len(pool) >= n else None

@@ -32,6 +32,7 @@ def main() -> None:
     from offline_agent.learn.policy import EpisodeHistory, Policy
     from offline_agent.learn.train import make_config, run_algorithm
     from offline_agent.text.encoder import TextEncoder
+    from offline_agent.text.states import StateSettings
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="offline_agent/Logistics-v0")
@@ -42,12 +43,13 @@ def main() -> None:
     torch.set_num_threads(1)
     budget = BUDGETS["default"]
     encoder = TextEncoder(max_length=budget["max_length"])
-    features = build_features(make_dataset(args.env, budget["episodes"], Path(args.workdir)), encoder, k=budget["k"])
+    dataset = make_dataset(args.env, budget["episodes"], Path(args.workdir))
+    features = build_features(dataset, encoder, StateSettings(k=budget["k"]))
     env = make_env(args.env)
     for algo in args.algos:
         config = make_config(algo, steps=budget["steps"], batch_size=budget["batch_size"], hidden=budget["hidden"])
         network, _ = run_algorithm(algo, features, config)
-        meta = {"algo": algo, "tau": config.tau, "k": features.k, "max_tokens": features.max_tokens}
+        meta = {"algo": algo, "tau": config.tau, **features.state_settings.to_meta()}
         policy = Policy(network, encoder, meta)
         by_tool: dict[str, list[int]] = {}
         for episode in range(args.episodes):

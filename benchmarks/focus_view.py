@@ -32,6 +32,7 @@ def main() -> None:
     from offline_agent.learn.train import make_config, run_algorithm
     from offline_agent.online.play import rollout_policy
     from offline_agent.text.encoder import TextEncoder
+    from offline_agent.text.states import StateSettings
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--env", default="offline_agent/Logistics-v0")
@@ -43,7 +44,8 @@ def main() -> None:
     budget = BUDGETS["default"]
     dataset = make_dataset(args.env, budget["episodes"], Path(args.workdir))
     encoder = TextEncoder(max_length=budget["max_length"], observation_view=True)
-    features = build_features(dataset, encoder, k=budget["k"], cache_root=Path(args.workdir) / "focus_cache")
+    state_settings = StateSettings(k=budget["k"], observation_view=True)
+    features = build_features(dataset, encoder, state_settings, cache_root=Path(args.workdir) / "focus_cache")
     memo: dict = {}
     for seed in range(args.seeds):
         for algo in args.algos:
@@ -51,7 +53,7 @@ def main() -> None:
             config = make_config(algo, steps=budget["steps"], batch_size=budget["batch_size"],
                                  hidden=budget["hidden"], seed=seed)
             network, _ = run_algorithm(algo, features, config)
-            meta = {"algo": algo, "tau": config.tau, "k": features.k, "max_tokens": features.max_tokens}
+            meta = {"algo": algo, "tau": config.tau, **features.state_settings.to_meta()}
             outcomes = rollout_policy(args.env, Policy(network, encoder, meta, memo=memo),
                                       budget["eval_episodes"], EVAL_SEED + seed)
             wins = sum(o.success for o in outcomes)

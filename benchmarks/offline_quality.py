@@ -76,10 +76,11 @@ def run_env(env: str, budget: dict, algos: list[str], encoder, workdir: Path, lo
     from offline_agent.learn.policy import Policy
     from offline_agent.learn.train import make_config, run_algorithm
     from offline_agent.online.play import rollout_policy
+    from offline_agent.text.states import StateSettings
 
     t0 = time.perf_counter()
     dataset = make_dataset(env, budget["episodes"], workdir)
-    features = build_features(dataset, encoder, k=budget["k"], progress=sys.stderr.isatty())
+    features = build_features(dataset, encoder, StateSettings(k=budget["k"]), progress=sys.stderr.isatty())
     logged = features.episode_success
     log(f"{env}: {features.describe()} ({features.cache_misses} texts encoded) in {time.perf_counter() - t0:.0f}s")
     result = {"env": env, "logged": (int(logged.nansum()), int((~logged.isnan()).sum())), "algos": {}}
@@ -98,7 +99,7 @@ def run_env(env: str, budget: dict, algos: list[str], encoder, workdir: Path, lo
                                  seed=seed, **extra)
             network, _ = run_algorithm(algo, features, config)
             trained = time.perf_counter() - t
-            meta = {"algo": algo, "tau": config.tau, "k": features.k, "max_tokens": features.max_tokens}
+            meta = {"algo": algo, "tau": config.tau, **features.state_settings.to_meta()}
             policy = Policy(network, encoder, meta, memo=memo)
             outcomes = rollout_policy(env, policy, budget["eval_episodes"], eval_seed)
             wins[name][0] += sum(o.success for o in outcomes)

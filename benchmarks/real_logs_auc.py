@@ -122,9 +122,10 @@ def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int) -> lis
 
     from offline_agent.learn.cql import CQLConfig, train_cql
     from offline_agent.learn.features import build_features, step_candidates
+    from offline_agent.text.states import StateSettings
 
     t0 = time.perf_counter()
-    features = build_features(dataset, encoder, k=budget["k"], progress=sys.stderr.isatty())
+    features = build_features(dataset, encoder, StateSettings(k=budget["k"]), progress=sys.stderr.isatty())
     log(f"{name}: {features.describe()} ({features.cache_misses} texts encoded, {time.perf_counter() - t0:.0f}s)")
     test, train = features.first_rows("test"), features.first_rows("train")
     label = features.episode_success[features.episode_index[test]]

@@ -120,11 +120,10 @@ def rollout_rows(run: Path, env: str, steps: int, threads: int) -> list[list[obj
 def state_texts(run: Path, data: Path, n: int, count_tokens) -> list[str]:
     """`n` state texts of the logs, spread over them, rendered as the policy renders its states."""
     from offline_agent.learn.policy import load_checkpoint
-    from offline_agent.text.states import dataset_texts
+    from offline_agent.text.states import StateSettings, dataset_texts
 
     _, meta = load_checkpoint(run)
-    states = dataset_texts(data, k=int(meta["k"]), max_tokens=meta["max_tokens"], count_tokens=count_tokens,
-                           keep_opening=bool(meta.get("keep_opening"))).states
+    states = dataset_texts(data, StateSettings.from_meta(meta), count_tokens).states
     return states[:: max(1, len(states) // n)][:n]
 
 

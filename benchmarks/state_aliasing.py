@@ -35,8 +35,9 @@ def labelled_states(env_spec: str, episodes: int, encoder, k: int, seed: int = 0
     from offline_agent.envs.loading import make_env
     from offline_agent.envs.policies import make_policy
     from offline_agent.simulate import episode_seed
-    from offline_agent.text.states import render_state
+    from offline_agent.text.states import StateSettings, render_state
 
+    settings = StateSettings(k=k).for_encoder(encoder)
     env = make_env(env_spec)
     behaviour = make_policy("noisy:0.5", seed)
     states: dict[str, set[str]] = {}
@@ -46,7 +47,7 @@ def labelled_states(env_spec: str, episodes: int, encoder, k: int, seed: int = 0
         turns: list[tuple[str, str]] = []
         done = False
         while not done:
-            text = render_state(task, turns, obs["text"], k, encoder.max_length, encoder.count_tokens)
+            text = render_state(task, turns, obs["text"], settings, encoder.count_tokens)
             expert = canonical_action(obs["candidates"][env.unwrapped.expert_action()])
             states.setdefault(text, set()).add(expert)
             index = behaviour(env, obs)

@@ -41,6 +41,7 @@ def synthetic_features(n_steps: int, n_actions: int, dim: int, n_candidates: int
     import torch
 
     from offline_agent.learn.features import Features
+    from offline_agent.text.states import StateSettings
 
     g = torch.Generator().manual_seed(seed)
     n_episodes = n_steps // episode_len
@@ -71,8 +72,7 @@ def synthetic_features(n_steps: int, n_actions: int, dim: int, n_candidates: int
         episode_success=reward.view(n_episodes, episode_len).sum(1),
         episode_split=torch.zeros(n_episodes, dtype=torch.int64),
         encoder_id="random",
-        k=3,
-        max_tokens=None,
+        state_settings=StateSettings(),
         gamma=0.99,
     )
 

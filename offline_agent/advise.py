@@ -167,7 +167,7 @@ def advise(
         raise UserError(f"--split must be one of {', '.join(SPLITS)} (or left out for every step), got {split!r}")
     ds = TrajectoryDataset.open(dataset)
     policy = Policy.load(run, encoder=encoder, device=device)
-    features = build_features(ds, policy.encoder, k=policy.k, keep_opening=policy.keep_opening)
+    features = build_features(ds, policy.encoder, policy.state_settings)
     rows = features.rows(split)
     if rows.numel() == 0:
         raise UserError(f"dataset {ds.path} has no steps in its {split} split: advise on another --split")

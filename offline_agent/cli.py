@@ -298,15 +298,16 @@ def embed_command(
     from offline_agent.ray_backend import check_backend, require_ray
     from offline_agent.text.cache import CACHE_DIRNAME, EmbeddingCache
     from offline_agent.text.encoder import TextEncoder
-    from offline_agent.text.states import dataset_texts
+    from offline_agent.text.states import StateSettings, dataset_texts
 
+    state_settings = StateSettings(k=k, keep_opening=keep_opening, observation_view=observation_view)
     if check_backend(backend) == "ray":
         require_ray()  # before the encoder loads and the texts are rendered
     ds = TrajectoryDataset.open(dataset)
-    text_encoder = TextEncoder(encoder, device=device, batch_size=batch_size, observation_view=observation_view)
-    texts = dataset_texts(
-        ds, k=k, max_tokens=text_encoder.max_length, count_tokens=text_encoder.count_tokens, keep_opening=keep_opening
+    text_encoder = TextEncoder(
+        encoder, device=device, batch_size=batch_size, observation_view=state_settings.observation_view
     )
+    texts = dataset_texts(ds, state_settings.for_encoder(text_encoder), text_encoder.count_tokens)
     cache = EmbeddingCache(ds.path / CACHE_DIRNAME, text_encoder)
     cache.embed(
         [*texts.states, *texts.actions, *texts.candidates], progress=sys.stderr.isatty(), backend=backend,
@@ -555,7 +556,11 @@ def train_command(
 ) -> None:
     """Train an offline policy on a dataset: CQL over candidate actions, or a baseline."""
     from offline_agent.learn.train import train
+    from offline_agent.text.states import DEFAULT_K, StateSettings
 
+    state_settings = StateSettings(
+        k=DEFAULT_K if k is None else k, keep_opening=keep_opening, observation_view=observation_view
+    )
     # Settings only some algorithms have are passed when they differ from the default, so that the
     # others' configs (which lack them) only complain when asked for something they cannot do.
     settings: dict[str, object] = {} if cal_ql else {"cal_ql": False}
@@ -573,7 +578,7 @@ def train_command(
         settings["head"] = head
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
-        encoder=encoder, k=k, keep_opening=keep_opening, observation_view=observation_view, overwrite=overwrite,
+        encoder=encoder, state_settings=state_settings, overwrite=overwrite,
         progress=sys.stderr.isatty(), settings=settings,
     )
     final = ", ".join(f"{name} {value:.4f}" for name, value in result.final_metrics.items() if name != "step")

@@ -255,7 +255,7 @@ def off_policy_value(
         raise UserError(f"--fqe-runs must be at least 1, got {runs}")
     policy = Policy.load(run, encoder=encoder, device=device)
     gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
-    features = build_features(dataset, policy.encoder, k=policy.k, keep_opening=policy.keep_opening)
+    features = build_features(dataset, policy.encoder, policy.state_settings)
     results = []
     for r in range(runs):
         config = FQEConfig(steps=steps, gamma=gamma, seed=seed + r, device=device, split=split, tau=policy.tau)

@@ -50,8 +50,9 @@ def color_lock_dataset() -> Path:
 @functools.cache
 def color_lock_features():
     from offline_agent.learn.features import build_features
+    from offline_agent.text.states import StateSettings
 
-    return build_features(color_lock_dataset(), encoder(), k=K)
+    return build_features(color_lock_dataset(), encoder(), StateSettings(k=K))
 
 
 @functools.cache

@@ -88,7 +88,7 @@ def test_advice_on_logs_agrees_with_the_policy_step_by_step(pipeline, one_torch_
     assert [a.value_gap for a in advice] == sorted((a.value_gap for a in advice), reverse=True)
     # Each step's disagreement, recomputed from the policy's own scoring of the state text and candidates.
     policy = Policy.load(pipeline["run"])
-    features = build_features(pipeline["data"], policy.encoder, k=policy.k, keep_opening=policy.keep_opening)
+    features = build_features(pipeline["data"], policy.encoder, policy.state_settings)
     ids, mask = advice_candidates(features, features.rows(), alternatives=256)
     actions = [features.vocab[i] for i in features.action_id.tolist()]
     episode = features.episode_index.tolist()

@@ -28,6 +28,7 @@ from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation, fqe_target
 from offline_agent.learn.networks import FactorisedQNetwork, QHead, QNetwork, VocabQNetwork
 from offline_agent.learn.policy import Policy, load_checkpoint, save_checkpoint
 from offline_agent.learn.train import make_config, train
+from offline_agent.text.states import StateSettings
 
 T = torch.tensor
 
@@ -393,12 +394,13 @@ def test_the_policy_renders_states_as_the_training_data_did(k, keep_opening):
     from offline_agent.simulate import episode_seed
     from offline_agent.text.states import dataset_texts
 
-    logged = dataset_texts(learn_data.color_lock_dataset(), k=k, keep_opening=keep_opening).states
+    settings = StateSettings(k=k, keep_opening=keep_opening)
+    logged = dataset_texts(learn_data.color_lock_dataset(), settings).states
     if keep_opening:  # the setting changes the texts (the third step's shows its first turn)
-        assert set(logged) != set(dataset_texts(learn_data.color_lock_dataset(), k=k).states)
+        assert set(logged) != set(dataset_texts(learn_data.color_lock_dataset(), StateSettings(k=k)).states)
     env = make_env(SPEC)
     behaviour = make_policy(learn_data.BEHAVIOUR, 0)
-    meta = {"k": k, "max_tokens": None, "keep_opening": keep_opening}
+    meta = settings.to_meta()
     policy = Policy(QNetwork(learn_data.encoder().dim, 8), learn_data.encoder(), meta)
     obs, info = env.reset(seed=episode_seed(0, 0))
     policy.reset(info["task"])
@@ -436,15 +438,15 @@ def test_train_writes_a_run_folder_and_hits_the_embedding_cache_the_second_time(
     import polars as pl
 
     dataset = learn_data.fresh_copy(tmp_path / "ds")
-    enc = learn_data.encoder()
-    first = train(dataset, "cql", tmp_path / "run", steps=20, batch_size=16, encoder=enc, k=0,
+    enc, k0 = learn_data.encoder(), StateSettings(k=0)
+    first = train(dataset, "cql", tmp_path / "run", steps=20, batch_size=16, encoder=enc, state_settings=k0,
                   settings={"hidden": 16, "log_every": 5})
     assert first.cache_misses == 0  # fresh_copy carries the cache the shared features filled
     (dataset / "embeddings").rename(tmp_path / "moved-cache")
-    again = train(dataset, "cql", tmp_path / "run2", steps=20, batch_size=16, encoder=enc, k=0,
+    again = train(dataset, "cql", tmp_path / "run2", steps=20, batch_size=16, encoder=enc, state_settings=k0,
                   settings={"hidden": 16, "log_every": 5})
     assert again.cache_misses > 0 and again.cache_hits == 0
-    third = train(dataset, "cql", tmp_path / "run3", steps=20, batch_size=16, encoder=enc, k=0,
+    third = train(dataset, "cql", tmp_path / "run3", steps=20, batch_size=16, encoder=enc, state_settings=k0,
                   settings={"hidden": 16, "log_every": 5})
     assert third.cache_misses == 0 and third.cache_hits == again.cache_misses
     metrics = pl.read_parquet(tmp_path / "run" / "metrics.parquet")
@@ -453,8 +455,9 @@ def test_train_writes_a_run_folder_and_hits_the_embedding_cache_the_second_time(
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
     assert names == ["curves.png", "metrics.parquet", "policy.json", "policy.safetensors", "train.json"]
     with pytest.raises(UserError, match=r"already holds a trained policy: choose another --out, or pass --overwrite"):
-        train(dataset, "cql", tmp_path / "run", steps=5, encoder=enc, k=0)
-    # Features built by the caller carry their renderer's setting; an argument that disagrees is refused.
-    with pytest.raises(ValueError, match=r"features were built with keep_opening=False, not True"):
-        train(dataset, "cql", tmp_path / "run4", steps=5, encoder=enc, keep_opening=True,
+        train(dataset, "cql", tmp_path / "run", steps=5, encoder=enc, state_settings=k0)
+    # Features built by the caller carry their state settings; settings that disagree are refused.
+    opening = StateSettings(k=learn_data.K, keep_opening=True)
+    with pytest.raises(ValueError, match=r"features were built with keep_opening=False, not keep_opening=True"):
+        train(dataset, "cql", tmp_path / "run4", steps=5, encoder=enc, state_settings=opening,
               features=learn_data.color_lock_features())

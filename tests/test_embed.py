@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from offline_agent.errors import UserError
 from offline_agent.text.cache import EmbeddingCache, text_hash
 from offline_agent.text.encoder import TextEncoder, default_encoder_path
-from offline_agent.text.states import current_observation, dataset_texts, render_state
+from offline_agent.text.states import StateSettings, current_observation, dataset_texts, render_state
 
 TEXTS = [
     '{"name":"get_reservation","arguments":{"reservation_id":"ZFA04Y"}}',
@@ -98,85 +98,86 @@ def test_bad_encoder_path_is_a_user_error(tmp_path):
 
 def test_render_state_exact_text():
     turns = [("o0", "a0"), ("o1", "a1"), ("o2", "a2"), ("o3", "a3")]
-    assert render_state("fix the pipeline", turns, "o4", k=2) == (
+    assert render_state("fix the pipeline", turns, "o4", StateSettings(k=2)) == (
         "Task: fix the pipeline\n[obs] o2\n[act] a2\n[obs] o3\n[act] a3\n[obs] o4"
     )
-    assert render_state(None, turns[:1], "o1", k=3) == "[obs] o0\n[act] a0\n[obs] o1"
-    assert render_state("t", turns, "o4", k=0) == "Task: t\n[obs] o4"
+    assert render_state(None, turns[:1], "o1", StateSettings(k=3)) == "[obs] o0\n[act] a0\n[obs] o1"
+    assert render_state("t", turns, "o4", StateSettings(k=0)) == "Task: t\n[obs] o4"
 
 
 def test_a_task_that_opens_an_observation_is_shown_once():
     # A chat log's task is its first user message, which is also the start of the first observation.
     assert render_state("book a flight", [], "book a flight\nfrom Paris") == "[obs] book a flight\nfrom Paris"
     turns = [("book a flight", "search()"), ("3 flights", "pick(1)")]
-    assert render_state("book a flight", turns, "booked", k=2).startswith("[obs] book a flight\n[act] search()")
-    assert render_state("book a flight", turns, "booked", k=1).startswith("Task: book a flight\n[obs] 3 flights")
+    two, one = StateSettings(k=2), StateSettings(k=1)
+    assert render_state("book a flight", turns, "booked", two).startswith("[obs] book a flight\n[act] search()")
+    assert render_state("book a flight", turns, "booked", one).startswith("Task: book a flight\n[obs] 3 flights")
     assert render_state("flight", [], "a flight") == "Task: flight\n[obs] a flight"
 
 
 def test_render_state_drops_the_oldest_turns_first():
     turns = [("one two", "three"), ("four five", "six"), ("seven", "eight")]
-    full = render_state("do it", turns, "now here", k=3)
+    full = render_state("do it", turns, "now here", StateSettings(k=3))
     assert words(full) == 3 + (3 + 2) + (3 + 2) + (2 + 2) + 3  # 20
-    assert render_state("do it", turns, "now here", k=3, max_tokens=20, count_tokens=words) == full
+    assert render_state("do it", turns, "now here", StateSettings(k=3, max_tokens=20), words) == full
     # 20 words -> without turn 0 (5 words) 15: the two newest turns stay, whole.
-    cut = render_state("do it", turns, "now here", k=3, max_tokens=15, count_tokens=words)
+    cut = render_state("do it", turns, "now here", StateSettings(k=3, max_tokens=15), words)
     assert cut == "Task: do it\n[obs] four five\n[act] six\n[obs] seven\n[act] eight\n[obs] now here"
-    cut = render_state("do it", turns, "now here", k=3, max_tokens=14, count_tokens=words)
+    cut = render_state("do it", turns, "now here", StateSettings(k=3, max_tokens=14), words)
     assert cut == "Task: do it\n[obs] seven\n[act] eight\n[obs] now here"
 
 
 def test_render_state_with_no_turns_left_keeps_the_start_of_the_observation():
     observation = " ".join(f"w{i}" for i in range(100))
     task = " ".join(f"t{i}" for i in range(100))
-    text = render_state(task, [("old", "act")], observation, max_tokens=40, count_tokens=words)
+    text = render_state(task, [("old", "act")], observation, StateSettings(max_tokens=40), words)
     assert words(text) <= 40
     assert "[act]" not in text
     task_line, obs_line = text.split("\n")
     assert task_line.startswith("Task: t0 t1") and words(task_line) <= 20  # the task gets at most half
     assert obs_line.startswith("[obs] w0 w1 w2")
     # Pure: the same arguments give the same text.
-    assert text == render_state(task, [("old", "act")], observation, max_tokens=40, count_tokens=words)
+    assert text == render_state(task, [("old", "act")], observation, StateSettings(max_tokens=40), words)
 
 
 def test_keep_opening_pins_the_first_turn_once_it_leaves_the_window():
     turns = [("o0", "a0"), ("o1", "a1"), ("o2", "a2"), ("o3", "a3")]
-    assert render_state("t", turns, "o4", k=2, keep_opening=True) == (
+    opening2, opening0 = StateSettings(k=2, keep_opening=True), StateSettings(k=0, keep_opening=True)
+    assert render_state("t", turns, "o4", opening2) == (
         "Task: t\n[obs] o0\n[act] a0\n[obs] o2\n[act] a2\n[obs] o3\n[act] a3\n[obs] o4"
     )
     # While the first turn is still among the last k, the text is the plain one: no turn twice.
-    assert render_state("t", turns[:2], "o2", k=2, keep_opening=True) == render_state("t", turns[:2], "o2", k=2)
-    assert render_state("t", turns, "o4", k=0, keep_opening=True) == "Task: t\n[obs] o0\n[act] a0\n[obs] o4"
-    assert render_state("t", [], "o0", k=0, keep_opening=True) == "Task: t\n[obs] o0"
+    assert render_state("t", turns[:2], "o2", opening2) == render_state("t", turns[:2], "o2", StateSettings(k=2))
+    assert render_state("t", turns, "o4", opening0) == "Task: t\n[obs] o0\n[act] a0\n[obs] o4"
+    assert render_state("t", [], "o0", opening0) == "Task: t\n[obs] o0"
     # A chat log's task is its first user message: the pinned opening shows it, the task line is left out.
     chat = [("book a flight", "search()"), ("3 flights", "pick(1)"), ("seat?", "pick(12A)")]
-    assert render_state("book a flight", chat, "booked", k=1, keep_opening=True) == (
+    assert render_state("book a flight", chat, "booked", StateSettings(k=1, keep_opening=True)) == (
         "[obs] book a flight\n[act] search()\n[obs] seat?\n[act] pick(12A)\n[obs] booked"
     )
     # Any sequence of turns, not only a list.
-    assert render_state("t", iter(turns), "o4", k=2, keep_opening=True) == render_state(
-        "t", turns, "o4", k=2, keep_opening=True
-    )
+    assert render_state("t", iter(turns), "o4", opening2) == render_state("t", turns, "o4", opening2)
 
 
 def test_over_budget_the_opening_goes_after_every_other_earlier_turn():
     turns = [("hi I need help", "ask"), ("four five", "six"), ("seven", "eight")]
-    full = render_state("do it", turns, "now", k=2, keep_opening=True)
+    full = render_state("do it", turns, "now", StateSettings(k=2, keep_opening=True))
     assert words(full) == 3 + (5 + 2) + (3 + 2) + (2 + 2) + 2  # 21
-    assert render_state("do it", turns, "now", k=2, max_tokens=21, count_tokens=words, keep_opening=True) == full
-    cut = render_state("do it", turns, "now", k=2, max_tokens=20, count_tokens=words, keep_opening=True)
+    assert render_state("do it", turns, "now", StateSettings(k=2, max_tokens=21, keep_opening=True), words) == full
+    cut = render_state("do it", turns, "now", StateSettings(k=2, max_tokens=20, keep_opening=True), words)
     assert cut == "Task: do it\n[obs] hi I need help\n[act] ask\n[obs] seven\n[act] eight\n[obs] now"
-    cut = render_state("do it", turns, "now", k=2, max_tokens=15, count_tokens=words, keep_opening=True)
+    cut = render_state("do it", turns, "now", StateSettings(k=2, max_tokens=15, keep_opening=True), words)
     assert cut == "Task: do it\n[obs] hi I need help\n[act] ask\n[obs] now"  # 12 words
-    cut = render_state("do it", turns, "now", k=2, max_tokens=11, count_tokens=words, keep_opening=True)
+    cut = render_state("do it", turns, "now", StateSettings(k=2, max_tokens=11, keep_opening=True), words)
     assert cut == "Task: do it\n[obs] now"
 
 
 def test_render_state_fits_the_real_tokenizer(encoder):
     long_turns = [(f"output line {i} " * 60, '{"name":"run","arguments":{"cmd":"make"}}') for i in range(3)]
     current = "FAILED tests/test_io.py::test_read - " + "AssertionError: expected 3 rows " * 80
-    text = render_state("Repair the nightly ETL job", long_turns, current, k=3,
-                        max_tokens=encoder.max_length, count_tokens=encoder.count_tokens)
+    settings = StateSettings(k=3).for_encoder(encoder)
+    assert settings.max_tokens == encoder.max_length
+    text = render_state("Repair the nightly ETL job", long_turns, current, settings, encoder.count_tokens)
     assert encoder.count_tokens(text) <= encoder.max_length
     assert text.startswith("Task: Repair the nightly ETL job\n[obs] FAILED tests/test_io.py")
 
@@ -257,7 +258,7 @@ def test_dataset_texts_renders_each_step_from_its_own_episode(tmp_path):
 
     ds = TrajectoryDataset.open(_tiny_dataset(tmp_path))
     steps = ds.steps_table().to_pydict()
-    texts = dataset_texts(ds, k=3)
+    texts = dataset_texts(ds, StateSettings(k=3))
     assert len(texts.states) == len(steps["episode_id"]) == 3
     assert texts.actions == steps["action"]
     tasks = dict(zip(*ds.episodes_table().select(["episode_id", "task"]).to_pydict().values(), strict=True))
@@ -273,7 +274,7 @@ def test_dataset_texts_keep_opening_shows_each_episode_its_own_first_turn(tmp_pa
 
     ds = TrajectoryDataset.open(_tiny_dataset(tmp_path))
     steps = ds.steps_table().to_pydict()
-    plain, kept = dataset_texts(ds, k=0), dataset_texts(ds, k=0, keep_opening=True)
+    plain, kept = dataset_texts(ds, StateSettings(k=0)), dataset_texts(ds, StateSettings(k=0, keep_opening=True))
     first = {}
     for i, (episode_id, step) in enumerate(zip(steps["episode_id"], steps["step"], strict=True)):
         first.setdefault(episode_id, (steps["observation"][i], steps["action"][i]))
@@ -307,7 +308,8 @@ def test_embed_verb_keep_opening_encodes_only_the_states_it_changes(tmp_path):
     dataset = _tiny_dataset(tmp_path)
     runner = CliRunner()
     assert runner.invoke(app, ["embed", str(dataset), "--k", "0"]).exit_code == 0
-    changed = set(dataset_texts(dataset, k=0, keep_opening=True).states) - set(dataset_texts(dataset, k=0).states)
+    kept = dataset_texts(dataset, StateSettings(k=0, keep_opening=True)).states
+    changed = set(kept) - set(dataset_texts(dataset, StateSettings(k=0)).states)
     assert changed  # steps after the first show their episode's opening turn
     result = runner.invoke(app, ["embed", str(dataset), "--k", "0", "--keep-opening"])
     assert result.exit_code == 0, result.output
@@ -316,17 +318,17 @@ def test_embed_verb_keep_opening_encodes_only_the_states_it_changes(tmp_path):
 
 def test_current_observation_is_the_last_obs_block_of_a_state_and_an_action_whole():
     turns = [("I was charged twice", "lookup()"), ("Found it.\nTwo lines", "refund()")]
-    state = render_state("Help customers", turns, "And what about the other thing?", k=2)
+    state = render_state("Help customers", turns, "And what about the other thing?", StateSettings(k=2))
     assert current_observation(state) == "And what about the other thing?"
-    assert current_observation(render_state(None, [], "hi\nthere", k=2)) == "hi\nthere"
-    assert current_observation(render_state("t", turns, "", k=2)) == ""
+    assert current_observation(render_state(None, [], "hi\nthere", StateSettings(k=2))) == "hi\nthere"
+    assert current_observation(render_state("t", turns, "", StateSettings(k=2))) == ""
     assert current_observation('close_ticket({"id": 3})') == 'close_ticket({"id": 3})'
 
 
 def test_observation_view_puts_the_current_observation_beside_the_whole_text(encoder):
     viewed = TextEncoder(observation_view=True)
     assert (viewed.dim, viewed.id) == (2 * encoder.dim, encoder.id + "-obsview")
-    state = render_state("Help customers", [("I was charged twice", "lookup()")], "Anything else?", k=1)
+    state = render_state("Help customers", [("I was charged twice", "lookup()")], "Anything else?", StateSettings(k=1))
     action = '{"name":"close_ticket","arguments":{}}'
     got = viewed.encode([state, action])
     whole, focus, act = encoder.encode([state, "Anything else?", action])
@@ -342,7 +344,7 @@ def test_the_observation_view_on_an_embedded_dataset_encodes_only_its_observatio
     dataset = _tiny_dataset(tmp_path)
     runner = CliRunner()
     assert runner.invoke(app, ["embed", str(dataset), "--k", "2"]).exit_code == 0
-    texts = dataset_texts(dataset, k=2)
+    texts = dataset_texts(dataset, StateSettings(k=2))
     known = {*texts.states, *texts.actions, *texts.candidates}
     new = {current_observation(t) for t in texts.states} - known
     assert new  # the states' observations alone are texts of their own

@@ -19,7 +19,7 @@ import pytest
 from offline_agent.errors import UserError
 from offline_agent.text.cache import EmbeddingCache
 from offline_agent.text.encoder import TextEncoder
-from offline_agent.text.states import dataset_texts
+from offline_agent.text.states import StateSettings, dataset_texts
 from tests.helpers import chat_record, write_jsonl
 
 # Eight texts a forward pass: the dataset's ~50 texts make several shards, spread over both of Ray's CPUs.
@@ -43,7 +43,7 @@ def texts(tmp_path_factory) -> list[str]:
         record["messages"][1]["content"] = f"fix the nightly pipeline of shop {i}: the orders table is stale"
         records.append(record)
     ingest([write_jsonl(folder / "logs.jsonl", records)], folder / "ds")
-    states, actions, candidates = dataset_texts(folder / "ds", k=2)
+    states, actions, candidates = dataset_texts(folder / "ds", StateSettings(k=2))
     return [*states, *actions, *candidates]
 
 

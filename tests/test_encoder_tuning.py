@@ -15,7 +15,10 @@ from offline_agent.errors import UserError
 from offline_agent.learn.encoder_tuning import ENCODER_FILE, EncoderTop, TokenStates, additive_mask, token_states
 from offline_agent.learn.policy import Policy
 from offline_agent.learn.train import train
+from offline_agent.text.states import StateSettings
 from offline_agent.text.tuning import LAYER_PREFIX, tuned_encoder_id, weights_digest
+
+STATE = StateSettings(k=K)
 
 TEXTS = [
     "hello",
@@ -68,8 +71,8 @@ def _train_tuned(tmp_path, algo, name="run", seed=0, lora_rank=0, action_gradien
     dataset = tmp_path / "ds" if (tmp_path / "ds").exists() else fresh_copy(tmp_path / "ds")
     settings = {"tune_encoder_layers": 1, "encoder_learning_rate": 1e-3, "encoder_lora_rank": lora_rank,
                 "encoder_action_gradient": action_gradient}
-    return train(dataset, algo, tmp_path / name, steps=30, batch_size=16, seed=seed, k=K, encoder=encoder(),
-                 settings=settings)
+    return train(dataset, algo, tmp_path / name, steps=30, batch_size=16, seed=seed, state_settings=STATE,
+                 encoder=encoder(), settings=settings)
 
 
 def test_lora_starts_as_the_base_layers_and_trains_only_its_updates():
@@ -125,7 +128,7 @@ def test_actions_teach_the_layers_only_with_action_gradient(action_gradient):
     from offline_agent.learn.encoder_tuning import EncoderTuner
     from offline_agent.learn.features import build_features, make_batch
 
-    features = build_features(color_lock_dataset(), encoder(), k=K, keep_texts=True)
+    features = build_features(color_lock_dataset(), encoder(), STATE, keep_texts=True)
     tuner = EncoderTuner(encoder(), features, 1, action_gradient=action_gradient)
     rows = torch.arange(8)
     batch = tuner.batch(make_batch(features, rows, torch.Generator().manual_seed(0)), rows, features, step=1)
@@ -170,7 +173,8 @@ def test_tuned_layers_refuse_another_base_encoder():
 )
 def test_bad_tuning_settings_are_one_line_errors(algo, settings, message, tmp_path):
     with pytest.raises(UserError, match=message):
-        train(fresh_copy(tmp_path / "ds"), algo, tmp_path / "run", steps=2, k=K, encoder=encoder(), settings=settings)
+        train(fresh_copy(tmp_path / "ds"), algo, tmp_path / "run", steps=2, state_settings=STATE, encoder=encoder(),
+              settings=settings)
 
 
 def test_fine_tuning_online_keeps_the_tuned_layers(tmp_path):

@@ -23,7 +23,7 @@ from offline_agent.learn.grounding import (
 )
 from offline_agent.learn.networks import QHead, QNetwork, ResidualQNetwork, build_network
 from offline_agent.learn.policy import Policy, save_checkpoint
-from offline_agent.text.states import render_state
+from offline_agent.text.states import StateSettings, render_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -100,7 +100,7 @@ def test_repeats_messages_and_the_tool_named_by_an_error():
 
 def test_the_episode_history_reaches_further_back_than_the_state_window():
     turns = [(f"obs {i}", call("step", n=i)) for i in range(6)]
-    window = render_state("t", turns, "now", k=2)
+    window = render_state("t", turns, "now", StateSettings(k=2))
     first = call("step", n=0)
     assert features(window, first)["taken_before"] == 0.0  # out of the window's [act] lines
     taken = [a for _, a in turns]
@@ -165,7 +165,8 @@ def test_a_grounded_batch_carries_each_slots_grounding():
     f = learn_data.color_lock_features()
     with pytest.raises(ValueError, match="keep_texts=True"):
         type(f)(**{**f.__dict__, "state_texts": None, "_grounding": None}).grounding_table()
-    f = build_features(learn_data.color_lock_dataset(), learn_data.encoder(), k=learn_data.K, keep_texts=True)
+    settings = StateSettings(k=learn_data.K)
+    f = build_features(learn_data.color_lock_dataset(), learn_data.encoder(), settings, keep_texts=True)
     rows = torch.arange(40)
     batch = make_batch(f, rows, torch.Generator().manual_seed(0), grounding=f.grounding_table())
     assert batch.pair.shape == (40, 1 + batch.cand_ids.shape[1], PAIR_DIM)
@@ -226,7 +227,8 @@ def test_grounded_scores_by_id_match_scores_by_embedding_and_a_residual_sees_the
 
 
 def test_the_grounded_cql_loss_scores_every_slot_with_its_grounding():
-    f = build_features(learn_data.color_lock_dataset(), learn_data.encoder(), k=learn_data.K, keep_texts=True)
+    settings = StateSettings(k=learn_data.K)
+    f = build_features(learn_data.color_lock_dataset(), learn_data.encoder(), settings, keep_texts=True)
     torch.manual_seed(0)
     net, target = QNetwork(f.dim, 16, pair_dim=PAIR_DIM), QNetwork(f.dim, 16, pair_dim=PAIR_DIM)
     batch = make_batch(f, torch.arange(64), torch.Generator().manual_seed(0), grounding=f.grounding_table())
@@ -282,7 +284,7 @@ def code_lock_features():
     root.mkdir(exist_ok=True)
     simulate(CODE_LOCK_SPEC, 100, "noisy:0.7", 0, root / "logs.jsonl")
     ingest([root / "logs.jsonl"], root / "dataset")
-    return build_features(root / "dataset", learn_data.encoder(), k=0, keep_texts=True)
+    return build_features(root / "dataset", learn_data.encoder(), StateSettings(k=0), keep_texts=True)
 
 
 def test_grounded_cql_learns_to_type_the_code_it_is_shown(code_lock_features):
@@ -296,7 +298,7 @@ def test_grounded_cql_learns_to_type_the_code_it_is_shown(code_lock_features):
     for grounded in (False, True):
         config = CQLConfig(steps=300, batch_size=64, hidden=64, seed=0, grounding=grounded)
         net, _ = train_cql(f, config)
-        policy = Policy(net, enc, {"algo": "cql", "tau": config.tau, "k": 0, "max_tokens": f.max_tokens})
+        policy = Policy(net, enc, {"algo": "cql", "tau": config.tau, **f.state_settings.to_meta()})
         outcomes = rollout_policy(CODE_LOCK_SPEC, policy, 60, 5)
         rates[grounded] = sum(o.success for o in outcomes) / len(outcomes)
     assert rates[True] >= 0.95, rates

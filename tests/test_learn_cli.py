@@ -111,7 +111,7 @@ def test_train_a_grounded_policy_then_evaluate_it_with_fqe(dataset, tmp_path, mo
     assert policy["config"]["grounding"] is True and policy["network"]["pair_dim"] == len(GROUNDING_FEATURES)
     # The renderer's settings travel with the policy, so that it plays on the states it was trained on.
     assert (policy["k"], policy["keep_opening"]) == (0, True)
-    assert Policy.load(run).keep_opening is True
+    assert Policy.load(run).state_settings.keep_opening is True
     result = runner.invoke(app, ["evaluate", str(run), "--env", SPEC, "--episodes", "2", "--json",
                                  "--dataset", str(dataset), "--fqe-steps", "10"])
     assert result.exit_code == 0, result.output

@@ -27,7 +27,7 @@ from offline_agent.online.play import rollout_policy
 from offline_agent.online.ppo import PPOTrainer
 from offline_agent.text.cache import EmbeddingCache, EmbeddingMemo, text_hash
 from offline_agent.text.encoder import TextEncoder
-from offline_agent.text.states import dataset_texts
+from offline_agent.text.states import StateSettings, dataset_texts
 
 PIPELINE = "offline_agent/PipelineRepair-v0"
 runner = CliRunner()
@@ -188,7 +188,7 @@ def test_the_packaged_encoder_counts_tokens_with_the_fast_tokenizer():
 
 def test_bf16_vectors_are_within_cosine_0_99_of_fp32_on_real_state_texts(pipeline):
     fp32, bf16 = learn_data.encoder(), TextEncoder(precision="bf16")
-    texts = dataset_texts(pipeline["data"], max_tokens=fp32.max_length, count_tokens=fp32.count_tokens)
+    texts = dataset_texts(pipeline["data"], StateSettings().for_encoder(fp32), fp32.count_tokens)
     sample = texts.states[::8][:16] + texts.candidates[:8]
     cosine = (fp32.encode(sample) * bf16.encode(sample)).sum(axis=1)
     assert cosine.min() > 0.99, cosine.min()

@@ -29,6 +29,7 @@ import torch
 
 from offline_agent.errors import UserError
 from offline_agent.rewards import discounted_returns
+from offline_agent.text.states import StateSettings
 
 if TYPE_CHECKING:
     from offline_agent.dataset import TrajectoryDataset
@@ -60,10 +61,8 @@ class Features:
     episode_success: torch.Tensor  # (E,) float32, nan where the log has no outcome
     episode_split: torch.Tensor  # (E,) int64 code into SPLITS
     encoder_id: str
-    k: int
-    max_tokens: int | None
+    state_settings: StateSettings  # how the state texts were rendered (as `for_encoder` fixed them)
     gamma: float
-    keep_opening: bool = False  # the state texts keep each episode's first turn (render_state)
     state_texts: list[str] | None = None  # N: what grounding and encoder tuning read (keep_texts)
     cache_hits: int = 0  # distinct texts found in the embedding cache when these features were built
     cache_misses: int = 0  # distinct texts that had to be encoded
@@ -130,33 +129,32 @@ class Features:
 def build_features(
     ds: TrajectoryDataset | str | Path,
     encoder: Any,
-    k: int | None = None,
+    state_settings: StateSettings | None = None,
     cache_root: str | Path | None = None,
     progress: bool = False,
     keep_texts: bool = True,
-    keep_opening: bool = False,
 ) -> Features:
     """Embed a dataset's states and actions (through its embedding cache) and gather its columns as tensors.
 
     `encoder` is a `TextEncoder` or anything with `id`, `dim`, `max_length`, `encode(texts)` (and,
-    optionally, `count_tokens`, which makes the state text fit the encoder's window).
+    optionally, `count_tokens`, which makes the state text fit the encoder's window). The states are
+    rendered with `state_settings` (None: the defaults) as the encoder fixes them (`StateSettings.for_encoder`):
+    its window is their token budget, whatever `max_tokens` the settings given hold.
     """
     from offline_agent.dataset import TrajectoryDataset
     from offline_agent.text.cache import CACHE_DIRNAME, EmbeddingCache
-    from offline_agent.text.states import DEFAULT_K, dataset_texts
+    from offline_agent.text.states import dataset_texts
 
     if not isinstance(ds, TrajectoryDataset):
         ds = TrajectoryDataset.open(ds)
-    k = DEFAULT_K if k is None else k
+    state_settings = (state_settings or StateSettings()).for_encoder(encoder)
     steps = ds.steps_table(columns=STEP_COLUMNS)
     if steps.num_rows == 0:
         raise UserError(
             f"dataset {ds.path} has no actions (0 steps): an offline learner needs logged decisions; "
             "ingest logs with assistant actions or tool calls"
         )
-    count_tokens = getattr(encoder, "count_tokens", None)
-    max_tokens = encoder.max_length if count_tokens is not None else None
-    texts = dataset_texts(ds, k, max_tokens, count_tokens, keep_opening)
+    texts = dataset_texts(ds, state_settings, getattr(encoder, "count_tokens", None))
     cols = steps.select(["episode_id", "step", "reward", "return_to_go", "terminated"]).to_pydict()
     actions = steps.column("action").to_pylist()
     vocab = sorted(set(actions) | set(texts.candidates))
@@ -193,10 +191,8 @@ def build_features(
         ),
         episode_split=torch.from_numpy(episode_split),
         encoder_id=encoder.id,
-        k=k,
-        max_tokens=max_tokens,
+        state_settings=state_settings,
         gamma=ds.gamma,
-        keep_opening=keep_opening,
         state_texts=texts.states if keep_texts else None,
         cache_hits=cache.hits,
         cache_misses=cache.misses,

@@ -4,7 +4,8 @@ A checkpoint is two files in a run folder:
 
     policy.safetensors   the network's state dict
     policy.json          format, algo, the network's constructor arguments, the encoder (id, path, dim,
-                         max_length), the state renderer's settings (k, max_tokens), tau, training summary
+                         max_length, observation_view), the state settings (k, max_tokens, keep_opening,
+                         observation_view: `StateSettings.to_meta`), tau, training summary
 
 Both are written to temporary names and renamed, the JSON last, so a reader
 sees a whole checkpoint or none. `Policy.load` rebuilds the network from the
@@ -50,6 +51,7 @@ from offline_agent.actions import ActionError, canonical_action
 from offline_agent.errors import UserError
 from offline_agent.learn.grounding import grounding_batch
 from offline_agent.learn.networks import build_network
+from offline_agent.text.states import StateSettings, render_state
 
 if TYPE_CHECKING:
     from offline_agent.envs.safety import SafetyFilter
@@ -72,7 +74,8 @@ def save_checkpoint(
 ) -> Path:
     """Write `policy.safetensors` and `policy.json` into `run_dir` atomically; returns the JSON's path.
 
-    `meta` holds at least algo, encoder {id, path, dim, max_length}, k, max_tokens and tau (and keep_opening).
+    `meta` holds at least algo, encoder {id, path, dim, max_length}, tau and the state settings
+    (`StateSettings.to_meta()`; a key left out reads as `StateSettings.from_meta` says).
     `encoder_layers` (a tuned encoder's top layers, `meta["encoder"]["tuned"]` says on which base) go to
     `encoder.safetensors`, written before the JSON like the network's weights.
     """
@@ -232,9 +235,7 @@ class Policy:
         self.encoder = encoder
         self.meta = meta
         self.tau = float(meta.get("tau", 1.0))
-        self.k = int(meta.get("k", 3))
-        self.max_tokens = meta.get("max_tokens")
-        self.keep_opening = bool(meta.get("keep_opening", False))  # policies saved before it existed: False
+        self.state_settings = StateSettings.from_meta(meta)
         self.greedy = greedy
         self.device = device
         self.generator = torch.Generator().manual_seed(seed)
@@ -283,12 +284,9 @@ class Policy:
         return self.memo.embed(texts)
 
     def render(self, history: EpisodeHistory, observation_text: str) -> str:
-        from offline_agent.text.states import render_state
-
-        count = getattr(self.encoder, "count_tokens", None) if self.max_tokens is not None else None
-        return render_state(
-            history.task, history.turns, observation_text, self.k, self.max_tokens, count, self.keep_opening
-        )
+        """The state text of a decision, rendered with the state settings the policy was trained with."""
+        count_tokens = getattr(self.encoder, "count_tokens", None)
+        return render_state(history.task, history.turns, observation_text, self.state_settings, count_tokens)
 
     # --- scoring -----------------------------------------------------------------------------------
 
@@ -359,4 +357,4 @@ class Policy:
         return choices
 
     def __repr__(self) -> str:
-        return f"Policy(algo={self.algo!r}, encoder={self.encoder.id!r}, tau={self.tau}, k={self.k})"
+        return f"Policy(algo={self.algo!r}, encoder={self.encoder.id!r}, tau={self.tau}, k={self.state_settings.k})"

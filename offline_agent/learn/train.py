@@ -31,6 +31,7 @@ from offline_agent.learn.d3rlpy_bridge import D3rlpyCQLConfig, train_d3rlpy_cql
 from offline_agent.learn.encoder_tuning import EncoderTuner
 from offline_agent.learn.features import Features, build_features
 from offline_agent.learn.policy import CONFIG_FILE, save_checkpoint
+from offline_agent.text.states import StateSettings
 
 ALGOS = ("cql", "bc", "filtered-bc", "d3rlpy-cql")
 FILTERED_BC_FRACTION = 0.2
@@ -88,16 +89,15 @@ class TrainResult:
         return self.steps / self.seconds if self.seconds > 0 else float("inf")
 
 
-def load_encoder(encoder: Any, device: str, observation_view: bool = False) -> Any:
-    """A `TextEncoder` from a path (None = the packaged MiniLM), or `encoder` itself if it is one already
-    (then its `observation_view` must be the one asked for)."""
+def load_encoder(encoder: Any, device: str, state_settings: StateSettings) -> Any:
+    """A `TextEncoder` from a path (None = the packaged MiniLM) with the observation view `state_settings` ask
+    for, or `encoder` itself if it is one already (then its observation view must be the one asked for)."""
     if encoder is None or isinstance(encoder, str | Path):
         from offline_agent.text.encoder import TextEncoder
 
         path = None if encoder is None else str(encoder)
-        return TextEncoder(path=path, device=device, observation_view=observation_view)
-    if getattr(encoder, "observation_view", False) != observation_view:
-        raise ValueError(f"the encoder given has observation_view={not observation_view}, not {observation_view}")
+        return TextEncoder(path=path, device=device, observation_view=state_settings.observation_view)
+    state_settings.for_encoder(encoder)  # refuses an encoder with the other observation view
     return encoder
 
 
@@ -112,9 +112,7 @@ def train(
     device: str = "cpu",
     alpha: float | None = None,
     encoder: Any = None,
-    k: int | None = None,
-    keep_opening: bool = False,
-    observation_view: bool = False,
+    state_settings: StateSettings | None = None,
     overwrite: bool = False,
     progress: bool = False,
     settings: dict[str, Any] | None = None,
@@ -122,9 +120,10 @@ def train(
 ) -> TrainResult:
     """Train `algo` on `dataset` and write the run folder `out` (see the module docstring).
 
-    `settings` passes any other field of the algorithm's config (e.g. {"cal_ql": True}); `features`
-    skips embedding when the caller already built them (benchmarks). `observation_view` embeds each state's
-    current observation as a second view (`TextEncoder`), recorded in policy.json with the encoder.
+    `state_settings` say how states become text and vectors (None: the defaults, or with `features` theirs),
+    recorded in policy.json; with the observation view the encoder embeds each state's current observation
+    as a second view (`TextEncoder`). `settings` passes any other field of the algorithm's config (e.g.
+    {"cal_ql": True}); `features` skips embedding when the caller already built them (benchmarks).
     """
     from offline_agent.dataset import TrajectoryDataset
 
@@ -137,18 +136,20 @@ def train(
     out = Path(out)
     if (out / CONFIG_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a trained policy: choose another --out, or pass --overwrite")
-    encoder = load_encoder(encoder, device, observation_view)
+    if state_settings is None:
+        state_settings = features.state_settings if features is not None else StateSettings()
+    encoder = load_encoder(encoder, device, state_settings)
     n_tuned = getattr(config, "tune_encoder_layers", 0)
-    if n_tuned and observation_view:
+    if n_tuned and state_settings.observation_view:
         # The tuner pools the model's own output into one view; it has no second view to train through.
         raise UserError("--tune-encoder-layers does not combine with --observation-view: drop one of them")
     if features is None:
-        features = build_features(ds, encoder, k=k, progress=progress, keep_opening=keep_opening)
+        features = build_features(ds, encoder, state_settings, progress=progress)
     elif features.encoder_id != encoder.id:
         raise ValueError("features were built with another encoder than the one given")
-    elif features.keep_opening != keep_opening:
-        # The policy renders its states with the features' setting: a differing argument would be ignored.
-        raise ValueError(f"features were built with keep_opening={features.keep_opening}, not {keep_opening}")
+    else:
+        # The policy renders its states with the features' settings: differing ones would be ignored.
+        _check_same_settings(features.state_settings, state_settings.for_encoder(encoder))
     tuner = None
     if n_tuned:
         tuner = EncoderTuner(
@@ -168,7 +169,7 @@ def train(
         "path": getattr(encoder, "path", None),
         "dim": encoder.dim,
         "max_length": getattr(encoder, "max_length", None),
-        "observation_view": observation_view,
+        "observation_view": features.state_settings.observation_view,  # what `encoder_for` rebuilds it with
     }
     tuning = tuner.describe() if tuner is not None else None
     if tuning is not None:
@@ -177,9 +178,7 @@ def train(
     meta = {
         "algo": algo,
         "encoder": encoder_meta,
-        "k": features.k,
-        "max_tokens": features.max_tokens,
-        "keep_opening": features.keep_opening,
+        **features.state_settings.to_meta(),
         "tau": config.tau,
         "dataset": {"path": str(ds.path), "name": ds.name, "fingerprint": ds.meta.get("fingerprint")},
         "config": asdict(config),
@@ -197,6 +196,13 @@ def train(
     }
     _write_json(out / SUMMARY_FILE, summary)
     return TrainResult(out, algo, config.steps, seconds, final, features.cache_hits, features.cache_misses)
+
+
+def _check_same_settings(built: StateSettings, wanted: StateSettings) -> None:
+    differ = [f.name for f in fields(StateSettings) if getattr(built, f.name) != getattr(wanted, f.name)]
+    if differ:
+        said = [", ".join(f"{name}={getattr(s, name)}" for name in differ) for s in (built, wanted)]
+        raise ValueError(f"features were built with {said[0]}, not {said[1]}: pass the features' state settings")
 
 
 def write_metrics(run_dir: Path, history: list[dict[str, float]]) -> pl.DataFrame:

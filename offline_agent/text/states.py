@@ -2,7 +2,9 @@
 
 `render_state` is the one function that turns (task, recent turns, observation) into state text, used both
 over logged datasets and at decision time in an environment, so that a decision-time state hits the
-embedding of the logged one. `dataset_texts` renders every step of a dataset and collects its action and
+embedding of the logged one. `StateSettings` is how it renders (turns of history, token budget, the opening
+turn) and whether the current observation is also embedded on its own; a policy's checkpoint records them
+(`to_meta`, `from_meta`). `dataset_texts` renders every step of a dataset and collects its action and
 candidate texts. `current_observation` reads a state's current observation back (the observation view:
 `observation_views`), as `offline_agent.learn.grounding` reads its turns, by the line prefixes below.
 
@@ -11,12 +13,15 @@ Dimension letters: N texts, D embedding width.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import pyarrow.compute as pc
+
+from offline_agent.errors import UserError
 
 if TYPE_CHECKING:
     from offline_agent.dataset import TrajectoryDataset
@@ -26,6 +31,94 @@ DEFAULT_K = 3
 #: The line prefixes of a rendered state (`render_state`); `offline_agent.learn.grounding` and the
 #: observation view (`current_observation`) read states back by them.
 TASK_PREFIX, OBS_PREFIX, ACT_PREFIX = "Task: ", "[obs] ", "[act] "
+
+
+@dataclass(frozen=True)
+class StateSettings:
+    """How a decision's state becomes text, and whether its current observation is also embedded on its own.
+
+    One object from the CLI flags (`--k`, `--keep-opening`, `--observation-view`) to the features a learner
+    trains on and the policy.json of its checkpoint, so that the policy renders its decision-time states as
+    its training states were rendered. Frozen: two runs with equal settings render the same texts.
+
+    The token counter is not a field: it is the encoder's tokenizer (`TextEncoder.count_tokens`), which is
+    neither a value to compare nor one to save in a checkpoint, so it is passed beside the settings, with
+    the encoder it belongs to. `max_tokens`, the budget it counts against, is the encoder's window
+    (`for_encoder`), recorded here because a decision-time state must be cut to the budget the training
+    states were cut to.
+    """
+
+    #: previous (observation, action) turns a state text shows (`--k`)
+    k: int = DEFAULT_K
+    #: tokens a state text may have (the encoder's max_length); None: no budget, texts are never cut
+    max_tokens: int | None = None
+    #: the episode's first turn stays in the text after it has left the last k (`--keep-opening`)
+    keep_opening: bool = False
+    #: the current observation is embedded on its own beside the whole text (`--observation-view`): the
+    #: encoder's setting (`TextEncoder(observation_view=...)`), not the renderer's
+    observation_view: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
+            raise UserError(f"k (--k, turns of history in a state text) must be an integer >= 0, got {self.k!r}")
+        if self.max_tokens is not None and (
+            isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            raise UserError(
+                f"max_tokens (the token budget of a state text) must be an integer >= 1 or None for no budget, "
+                f"got {self.max_tokens!r}"
+            )
+        for name in ("keep_opening", "observation_view"):
+            if not isinstance(getattr(self, name), bool):
+                flag = "--" + name.replace("_", "-")
+                raise UserError(f"{name} ({flag}) must be True or False, got {getattr(self, name)!r}")
+
+    def for_encoder(self, encoder: Any) -> StateSettings:
+        """These settings as `encoder` renders them: its window (`max_length`) is the token budget when it can
+        count tokens (`count_tokens`), and there is none when it cannot. The encoder must have the observation
+        view these settings ask for (it is what implements it)."""
+        has_view = bool(getattr(encoder, "observation_view", False))
+        if has_view != self.observation_view:
+            raise ValueError(
+                f"the encoder has observation_view={has_view} but the state settings ask for "
+                f"{self.observation_view}: build the encoder with observation_view={self.observation_view}"
+            )
+        counts = getattr(encoder, "count_tokens", None) is not None
+        return replace(self, max_tokens=encoder.max_length if counts else None)
+
+    def to_meta(self) -> dict[str, Any]:
+        """The settings as a checkpoint's policy.json keeps them: the flat keys k, max_tokens, keep_opening
+        (as before this object existed) and observation_view, which the encoder's entry holds as well."""
+        return {
+            "k": self.k,
+            "max_tokens": self.max_tokens,
+            "keep_opening": self.keep_opening,
+            "observation_view": self.observation_view,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, Any]) -> StateSettings:
+        """The settings of a checkpoint's policy.json. A key it lacks (a checkpoint saved before the setting
+        existed) takes the value those checkpoints were rendered with: k 3, no token budget, no opening turn,
+        and the observation view as the encoder's entry records it (none if it does not)."""
+        encoder = meta.get("encoder")
+        encoder_view = encoder.get("observation_view") if isinstance(encoder, Mapping) else None
+        view = meta.get("observation_view", encoder_view)
+        if encoder_view is not None and bool(view) != bool(encoder_view):
+            raise UserError(
+                f"policy.json says observation_view={view} but its encoder entry says {encoder_view}: "
+                "the checkpoint is damaged; retrain it"
+            )
+        k, max_tokens = meta.get("k", DEFAULT_K), meta.get("max_tokens")
+        try:
+            return cls(
+                k=int(k),
+                max_tokens=None if max_tokens is None else int(max_tokens),
+                keep_opening=bool(meta.get("keep_opening", False)),
+                observation_view=bool(view),
+            )
+        except (TypeError, ValueError, UserError) as exc:
+            raise UserError(f"policy.json holds bad state settings ({exc}): the checkpoint is damaged") from None
 
 
 def current_observation(text: str) -> str:
@@ -82,12 +175,11 @@ def render_state(
     task: str | None,
     turns: Sequence[tuple[str, str]],
     observation: str,
-    k: int = DEFAULT_K,
-    max_tokens: int | None = None,
+    settings: StateSettings = StateSettings(),
     count_tokens: Callable[[str], int] | None = None,
-    keep_opening: bool = False,
 ) -> str:
-    """State text of a decision: the task, the last `k` (observation, action) turns, the current observation.
+    """State text of a decision: the task, the last `settings.k` (observation, action) turns, the current
+    observation.
 
         Task: <task>
         [obs] <observation of turn t-k>
@@ -96,7 +188,7 @@ def render_state(
         [obs] <current observation>
 
     The task line is left out when there is no task, or when an observation shown starts with it
-    (chat logs whose task is their first user message). With `max_tokens` and `count_tokens` (e.g.
+    (chat logs whose task is their first user message). With `settings.max_tokens` and `count_tokens` (e.g.
     `TextEncoder.count_tokens` and its `max_length`), a text that is too long loses its oldest turns
     first, because an encoder truncates from the end and would otherwise cut the current observation;
     with no turns left, the task is cut to half the budget and the observation to what remains, both
@@ -107,12 +199,11 @@ def render_state(
     ("I was charged twice and my package never arrived"), which a window of the last few turns loses
     within a few steps. Over budget, the opening is dropped after every other earlier turn.
 
-    The same arguments always give the same text: `offline-agent embed` renders
-    with `max_tokens=encoder.max_length, count_tokens=encoder.count_tokens`, and decision-time states
-    rendered the same way hit the embeddings of the logged ones.
+    The same arguments always give the same text: `offline-agent embed` renders with
+    `settings.for_encoder(encoder)` and `encoder.count_tokens`, and decision-time states rendered the same
+    way hit the embeddings of the logged ones.
     """
-    if k < 0:
-        raise ValueError(f"k must be >= 0, got {k}")
+    k, max_tokens, keep_opening = settings.k, settings.max_tokens, settings.keep_opening
     turns = turns if isinstance(turns, list | tuple) else list(turns)  # a whole episode's turns: no copy
     recent = list(turns[-k:]) if k else []
     opening = list(turns[:1]) if keep_opening and len(turns) > len(recent) else []
@@ -155,13 +246,12 @@ class DatasetTexts(NamedTuple):
 
 def dataset_texts(
     ds: TrajectoryDataset | str | Path,
-    k: int = DEFAULT_K,
-    max_tokens: int | None = None,
+    settings: StateSettings = StateSettings(),
     count_tokens: Callable[[str], int] | None = None,
-    keep_opening: bool = False,
 ) -> DatasetTexts:
     """Render the state of every step (its episode's task + the previous k turns, and with `keep_opening` its
-    first turn, + its observation) with `render_state`, and collect the action and candidate texts."""
+    first turn, + its observation) with `render_state` under `settings` (and `count_tokens`, the encoder's,
+    for their token budget), and collect the action and candidate texts."""
     from offline_agent.dataset import TrajectoryDataset
 
     if not isinstance(ds, TrajectoryDataset):
@@ -179,7 +269,7 @@ def dataset_texts(
         if episode_id != current:
             current, turns = episode_id, []
         states.append(
-            render_state(task_of.get(episode_id), turns, observation, k, max_tokens, count_tokens, keep_opening)
+            render_state(task_of.get(episode_id), turns, observation, settings, count_tokens)
         )
         turns.append((observation, action))
     # Flattening in Arrow skips null lists (steps whose log did not know the candidates).
