@@ -92,6 +92,7 @@ def offline_stage(
     from offline_agent.ingest import ingest
     from offline_agent.learn.train import train
     from offline_agent.simulate import simulate
+    from offline_agent.text.states import StateSettings
 
     folder = offline_folder(cache, sim, logs)
     data = folder / "data"
@@ -105,19 +106,20 @@ def offline_stage(
         if logs:
             source = simulate(SIMS[sim], logs, BEHAVIOUR, 0, folder / "logs.jsonl").path
         ingest([source], data)
-    train(
-        data, "cql", run, steps=cql_steps, seed=0, keep_opening=keep_opening, observation_view=observation_view,
-        overwrite=True, progress=sys.stderr.isatty(),
-    )
+    views = StateSettings(keep_opening=keep_opening, observation_view=observation_view)
+    train(data, "cql", run, steps=cql_steps, seed=0, state_settings=views, overwrite=True, progress=sys.stderr.isatty())
     print(f"[{sim}] offline stage (ingest, embed, CQL {cql_steps} steps): {time.perf_counter() - started:.0f} s")
     return run
 
 
-def evaluate_run(run: Path, env: str, episodes: int, safety: str | None = None) -> tuple[int, int]:
-    """(successes, episodes) of the greedy policy; behind `safety`, or the rules saved with the run if None."""
+def evaluate_run(
+    run: Path, env: str, episodes: int, safety: str | None = None, precision: str = "fp32"
+) -> tuple[int, int]:
+    """(successes, episodes) of the greedy policy; behind `safety`, or the rules saved with the run if None; the
+    encoder in `precision`."""
     from offline_agent.evaluate import evaluate
 
-    report = evaluate(run, env, episodes=episodes, seed=EVAL_SEED, safety=safety)
+    report = evaluate(run, env, episodes=episodes, seed=EVAL_SEED, safety=safety, encoder_precision=precision)
     return report.successes, report.episodes
 
 
@@ -169,6 +171,9 @@ def variant(args: argparse.Namespace) -> str:
     if args.validation_episodes:
         tag += f"-val{args.validation_episodes}" + ("" if args.validation_keep == "best" else args.validation_keep)
     tag += f"-it{args.iterations}" if args.iterations != ITERATIONS else ""
+    tag += f"-gain{args.kl_gain:g}" if args.kl_gain != PPOConfig.kl_gain else ""
+    tag += f"-tr{args.trust_region:g}" if args.trust_region != PPOConfig.trust_region else ""
+    tag += "-bf16" if args.encoder_precision == "bf16" else ""
     tag += "-safety" if args.safety else ""
     return tag + (f"-seed{args.seed}" if args.seed else "")
 
@@ -203,7 +208,7 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     out = {}
     for name, settings in (
         ("finetune", dict(target_kl=None if args.beta is not None else args.target_kl, beta=args.beta,
-                          kl_horizon=args.kl_horizon, value_init=args.value_init,
+                          kl_gain=args.kl_gain, trust_region=args.trust_region, value_init=args.value_init,
                           policy_init=args.policy_init, learning_rate=args.learning_rate, tau=args.tau,
                           subgoal_shaping=args.subgoal_shaping, self_imitation=args.self_imitation,
                           self_imitation_epochs=args.self_imitation_epochs,
@@ -218,10 +223,12 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
         started = time.perf_counter()
         config = PPOConfig(**{**common, **settings})
         if not (args.reuse and finished_run(folder, run, env, config, args.safety)):
-            finetune(run, env, folder, config, safety=args.safety, overwrite=True, progress=sys.stderr.isatty())
+            finetune(run, env, folder, config, safety=args.safety, overwrite=True, progress=sys.stderr.isatty(),
+                     encoder_precision=args.encoder_precision)
         seconds = time.perf_counter() - started
         metrics = pl.read_parquet(folder / "metrics.parquet")
-        out[name] = {"metrics": metrics, "seconds": seconds, "eval": evaluate_run(folder, env, args.episodes)}
+        evaluation = evaluate_run(folder, env, args.episodes, precision=args.encoder_precision)
+        out[name] = {"metrics": metrics, "seconds": seconds, "eval": evaluation}
         print(f"[{sim}] {name}: {seconds:.0f} s, training success by iteration "
               f"{[round(x, 2) for x in metrics['charts/success_rate'].to_list()]}", flush=True)
         if name == "finetune":
@@ -244,8 +251,9 @@ def early_evals(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
         folder = runs_folder(cache, sim, args) / f"finetune-{k}"
         config = config_type(**{**settings, "iterations": k})
         if not (args.reuse and finished_run(folder, run, env, config, args.safety)):
-            finetune(run, env, folder, config, safety=args.safety, overwrite=True)
-        evals[k] = evaluate_run(folder, env, args.episodes)
+            finetune(run, env, folder, config, safety=args.safety, overwrite=True,
+                     encoder_precision=args.encoder_precision)
+        evals[k] = evaluate_run(folder, env, args.episodes, precision=args.encoder_precision)
         print(f"[{sim}] after {k} iteration(s): {rate(*evals[k])}", flush=True)
     return evals
 
@@ -315,7 +323,7 @@ def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
         steps,
         reached,
         first_reaching(scratch) if scratch is not None else "-",
-        f"{ft['objective/kl'].mean():.4f}",
+        f"{ft['objective/kl'].mean():.3f} / {ft['objective/kl'].max():.3f}",
         f"{start:.2f} -> {early[worst]:.2f} after {worst}: {'yes' if early[worst] < start - 0.10 else 'no'}"
         if early else "-",
     ]
@@ -352,7 +360,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="per-step KL the adaptive controller steers fine-tuning to")
     parser.add_argument("--beta", type=float, default=None,
                         help="a fixed KL weight instead of the adaptive controller (replaces --target-kl)")
-    parser.add_argument("--kl-horizon", type=int, default=1000, help="env steps of the KL controller's horizon")
+    parser.add_argument("--kl-gain", type=float, default=PPOConfig.kl_gain, help="the KL controller's gain")
+    parser.add_argument("--trust-region", type=float, default=PPOConfig.trust_region,
+                        help="x the target KL past which a minibatch steps back toward the offline policy (0 = off)")
+    parser.add_argument("--encoder-precision", choices=["fp32", "bf16"], default="fp32",
+                        help="the encoder's precision in rollouts and evaluations (bf16: ~2x as fast with AMX)")
     parser.add_argument("--policy-init", default="residual", choices=["residual", "copy"])
     parser.add_argument("--learning-rate", type=float, default=None,
                         help=f"fine-tuning learning rate [default: {RESIDUAL_LEARNING_RATE} for the residual policy, "
@@ -398,6 +410,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--tables-only", action="store_true", help="rebuild the tables from the cached runs and evaluations"
     )
     args = parser.parse_args(argv)
+    args.trust_region = args.trust_region or None
     if args.learning_rate is None and args.policy_init == "residual":
         args.learning_rate = RESIDUAL_LEARNING_RATE
     return args
@@ -419,7 +432,7 @@ def main() -> None:
         if args.tables_only:
             quality.append(quality_row(sim, *cached_runs(runs_folder(cache, sim, args))))
             continue
-        offline = evaluate_run(run, env, args.episodes, args.safety)
+        offline = evaluate_run(run, env, args.episodes, args.safety, args.encoder_precision)
         print(f"[{sim}] offline CQL: {rate(*offline)}", flush=True)
         runs = online_runs(sim, env, run, cache, args)
         evals = {"offline": offline, **{name: runs[name]["eval"] for name in ("finetune", "scratch") if name in runs},
@@ -428,7 +441,7 @@ def main() -> None:
         quality.append(quality_row(sim, offline, runs))
     header = [
         "simulator", "offline CQL", "CQL + PPO/KL", "PPO from scratch", "env steps each",
-        "steps to 95% (fine-tune)", "steps to 95% (scratch)", "mean KL to offline", "early dip > 10 pts",
+        "steps to 95% (fine-tune)", "steps to 95% (scratch)", "KL to offline (mean / max)", "early dip > 10 pts",
     ]
     if args.tables_only:
         speed, minutes = json.loads((cache / "throughput.json").read_text()) if not tag else [], float("nan")
@@ -456,7 +469,9 @@ def main() -> None:
         f"policy against the worst of the fine-tuned greedy policies after {', '.join(map(str, args.dip_iterations))} "
         "iteration(s), each evaluated like it (a run cut at k iterations is the same run's first k). Fine-tuning: "
         f"{args.iterations} iterations x {args.num_envs} envs x {args.num_steps} steps, {kl_words(args)}"
-        + ("" if args.beta is not None else f" (horizon {args.kl_horizon} env steps)") + ", "
+        + ("" if args.beta is not None else f" (gain {args.kl_gain:g}, "
+           + (f"trust region {args.trust_region:g}x the target)" if args.trust_region else "no trust region)"))
+        + ", "
         f"policy {args.policy_init}, lr {fine_lr}, "
         f"tau {'of the CQL checkpoint' if args.tau is None else args.tau}, "
         + (f"sub-goal shaping {args.subgoal_shaping:g}, " if args.subgoal_shaping else "")
@@ -477,7 +492,8 @@ def main() -> None:
         + ("; its state texts keep each episode's first turn (`--keep-opening`)" if args.keep_opening else "")
         + ("; its encoder also embeds each state's current observation on its own (`--observation-view`)"
            if args.observation_view else "")
-        + f". Encoder: packaged all-MiniLM-L6-v2, {args.threads} torch thread(s). "
+        + f". Encoder: packaged all-MiniLM-L6-v2 ({args.encoder_precision} in rollouts and evaluations), "
+        f"{args.threads} torch thread(s). "
         f"Wall time of the last invocation: {minutes:.1f} min; the online runs' own training times add up to "
         f"{sum(training_minutes(runs_folder(cache, sim, args)) for sim in args.sims):.1f} min. "
         "At the rollout rates of the throughput table (MiniLM encodes every new state "
