@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
 from benchmarks.rollout_speed import ENV, ROLLOUT_HEADER, rollout_note  # noqa: E402
-from offline_agent.online.config import DEFAULT_TARGET_KL, PPOConfig  # noqa: E402
+from offline_agent.online.config import PPOConfig  # noqa: E402
 from offline_agent.online.validation import KEEP_RULES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +54,15 @@ SIMS = {
     "support": "offline_agent/CustomerSupport-v0",
 }
 EVAL_SEED = 1000
+#: The settings a run without flags uses, by which every variant is named: plain PPO + KL, as before the library's
+#: default recipe (target KL 0.1, tau 0.3, shaping, self-imitation, a guard of 32 validation episodes, 48 iterations:
+#: `PPOConfig`) took them up. Named variants keep their names and results; the recipe is the variant
+#: `--tau 0.3 --subgoal-shaping 1 --self-imitation 1 --target-kl 0.1 --validation-episodes 32 --validation-keep guard
+#: --iterations 48` (benchmarks/run_all.py: RECIPE).
+PLAIN_TARGET_KL = 0.05
+PLAIN_VALIDATION_KEEP = "best"
+#: What a run sets explicitly so that PPOConfig's recipe defaults do not leak into it (the scratch baseline).
+PLAIN = {"tau": None, "subgoal_shaping": 0.0, "self_imitation": 0.0, "validation_episodes": 0}
 # The residual's rate here, below PPOConfig's 3e-3: at 1e-2 one Adam step already crossed max_update_kl, so every
 # iteration stopped after one minibatch step and the KL to the offline policy jumped to 0.6-0.8 (CustomerSupport
 # and Logistics, 15k env steps: no gain); at 1e-3 all 16 minibatch steps of an iteration are taken. A copied
@@ -179,10 +188,10 @@ def variant(args: argparse.Namespace) -> str:
 
 
 def kl_tag(args: argparse.Namespace) -> str:
-    """'' for the default KL control (target 0.05), else '-kl0.2' (another target) or '-beta0.01' (fixed)."""
+    """'' for the plain KL control (target 0.05), else '-kl0.2' (another target) or '-beta0.01' (fixed)."""
     if args.beta is not None:
         return f"-beta{args.beta:g}"
-    return "" if args.target_kl == DEFAULT_TARGET_KL else f"-kl{args.target_kl:g}"
+    return "" if args.target_kl == PLAIN_TARGET_KL else f"-kl{args.target_kl:g}"
 
 
 def kl_words(args: argparse.Namespace) -> str:
@@ -215,7 +224,8 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
                           self_imitation_buffer=args.self_imitation_buffer,
                           self_imitation_start=args.self_imitation_start,
                           validation_episodes=args.validation_episodes, validation_keep=args.validation_keep)),
-        ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate)),
+        ("scratch", dict(beta=0.0, from_scratch=True, value_init="zero", learning_rate=args.scratch_learning_rate,
+                         **PLAIN)),
     ):
         if name == "scratch" and args.no_scratch:
             continue
@@ -356,7 +366,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--num-steps", type=int, default=64, help="steps per env per iteration")
-    parser.add_argument("--target-kl", type=float, default=DEFAULT_TARGET_KL,
+    parser.add_argument("--target-kl", type=float, default=PLAIN_TARGET_KL,
                         help="per-step KL the adaptive controller steers fine-tuning to")
     parser.add_argument("--beta", type=float, default=None,
                         help="a fixed KL weight instead of the adaptive controller (replaces --target-kl)")
@@ -387,7 +397,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="fine-tuning plays the offline policy and each iteration's greedily on this many "
                         "held-out validation episodes and keeps one by --validation-keep instead of the last (0 = the "
                         "last)")
-    parser.add_argument("--validation-keep", choices=KEEP_RULES, default=PPOConfig.validation_keep,
+    parser.add_argument("--validation-keep", choices=KEEP_RULES, default=PLAIN_VALIDATION_KEEP,
                         help="which validated policy fine-tuning keeps: best (the most successes) or guard (the "
                         "latest with at least the offline policy's)")
     parser.add_argument("--seed", type=int, default=0,
@@ -524,6 +534,7 @@ def main() -> None:
         print(table)
     else:
         title = "Online fine-tuning (PPO + KL from CQL)" + (f", tau {args.tau:g}" if args.tau is not None else "")
+        title += "" if tag else ": plain PPO + KL, the defaults before the recipe"
         title += f", offline stage on {args.logs} logged episodes" if args.logs else ""
         title += ", states keep the opening turn" if args.keep_opening else ""
         title += ", observation view" if args.observation_view else ""

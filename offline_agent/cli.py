@@ -377,10 +377,10 @@ def finetune_command(
     run: str = typer.Argument(..., help="offline checkpoint (run folder or its policy.json)"),
     env: str = typer.Option(..., "--env", help="registered env id (offline_agent/Logistics-v0) or module:factory"),
     out: str = typer.Option(..., "--out", "-o", help="run folder of the fine-tuned policy"),
-    num_envs: int = typer.Option(4, "--num-envs", help="environments stepped in parallel"),
-    iterations: int = typer.Option(20, "--iterations", help="rollout + update iterations"),
-    num_steps: int = typer.Option(128, "--num-steps", help="steps per environment per iteration"),
-    target_kl: float | None = typer.Option(None, "--target-kl", help="adapt beta to this KL per step [default: 0.05]"),
+    num_envs: int = typer.Option(8, "--num-envs", help="environments stepped in parallel"),
+    iterations: int = typer.Option(48, "--iterations", help="rollout + update iterations"),
+    num_steps: int = typer.Option(64, "--num-steps", help="steps per environment per iteration"),
+    target_kl: float | None = typer.Option(None, "--target-kl", help="adapt beta to this KL per step [default: 0.1]"),
     beta: float | None = typer.Option(None, "--beta", help="fixed KL weight instead of --target-kl (0 = no KL)"),
     kl_gain: float = typer.Option(
         1.0, "--kl-gain", help="how fast --target-kl's controller follows the KL: beta *= (KL / target) ** gain "
@@ -405,25 +405,26 @@ def finetune_command(
         help="also descend the KL penalty's own gradient (off: the penalty acts through the rewards only)",
     ),
     learning_rate: float | None = typer.Option(
-        None, "--learning-rate", help="Adam learning rate of the policy [default: 3e-3 residual, 1e-5 copy]"
+        None, "--learning-rate", help="Adam learning rate of the policy [default: 1e-3 residual, 1e-5 copy]"
     ),
     value_learning_rate: float | None = typer.Option(
         None, "--value-learning-rate", help="Adam learning rate of the value head [default: PPOConfig's]"
     ),
-    tau: float | None = typer.Option(
-        None, "--tau",
-        help="temperature of the fine-tuned and reference policy softmax(Q / tau) [default: RUN's]; a higher one "
+    tau: float = typer.Option(
+        0.3, "--tau",
+        help="temperature of the fine-tuned and reference policy softmax(Q / tau) (CQL trains at 0.1): a warmer one "
         "keeps greedy play and lets PPO sample alternatives, where sampled episodes still succeed (docs/finetuning.md)",
     ),
     subgoal_shaping: float = typer.Option(
-        0.0, "--subgoal-shaping",
+        1.0, "--subgoal-shaping",
         help="weight of potential-based shaping on the env's sub-goals (info sub_goals_done / sub_goals_total): "
-        "credits a step that completes one at once, leaves the best policy unchanged [default: 0, off]",
+        "credits a step that completes one at once, leaves the best policy unchanged (0 = off; no effect in an "
+        "env that reports no sub-goals)",
     ),
     self_imitation: float = typer.Option(
-        0.0, "--self-imitation",
+        1.0, "--self-imitation",
         help="weight of self-imitation: after each PPO update, imitate the calls of recent successful episodes "
-        "where they did better than the value head expected (Oh et al. 2018) [default: 0, off]",
+        "where they did better than the value head expected (Oh et al. 2018; 0 = off)",
     ),
     self_imitation_epochs: float = typer.Option(
         2.0, "--self-imitation-epochs", help="passes of self-imitation over its buffer per iteration"
@@ -453,12 +454,12 @@ def finetune_command(
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     from_scratch: bool = typer.Option(False, "--from-scratch", help="re-initialise the policy (baseline)"),
     validation_episodes: int = typer.Option(
-        0, "--validation-episodes",
+        32, "--validation-episodes",
         help="play the offline policy and each iteration's greedily on N held-out episodes and keep one by "
-        "--validation-keep, not the last [default: 0 = off]",
+        "--validation-keep, not the last (0 = off: the last)",
     ),
     validation_keep: str = typer.Option(
-        "best", "--validation-keep",
+        "guard", "--validation-keep",
         help="best: the most validation successes; guard: the latest policy with at least the offline one's "
         "(no early dip, and the last policy once it has passed)",
     ),

@@ -86,3 +86,15 @@ def test_every_online_entry_of_make_bench_names_the_result_file_its_run_writes()
     assert len(entries) > 10  # the loop below has entries to check
     for name, args in entries:
         assert name == "online" + variant(parse_args(args)).replace("-", "_").replace(".", ""), args
+
+
+def test_the_recipe_entry_runs_the_library_defaults():
+    # README's online table is "what `offline-agent finetune` does by default": the entry must follow PPOConfig.
+    from benchmarks.run_all import RECIPE
+    from offline_agent.online.config import PPOConfig
+
+    args, config = parse_args(RECIPE[2]), PPOConfig()
+    assert RECIPE[0] == "online" + variant(args).replace("-", "_").replace(".", "")
+    for name in ("tau", "subgoal_shaping", "self_imitation", "validation_episodes", "validation_keep", "target_kl",
+                 "iterations", "num_envs", "num_steps", "learning_rate", "kl_gain", "trust_region"):
+        assert getattr(args, name) == getattr(config, name), name

@@ -29,7 +29,8 @@ runner = CliRunner()
 WIDGET = "online_envs:make_widget"
 # Small and fast: 2 envs x 32 steps per iteration; a high learning rate and a small fixed beta, so that a
 # handful of iterations is enough for the tiny network to learn "repair".
-FAST = ["--num-envs", "2", "--num-steps", "32", "--beta", "0.01", "--learning-rate", "3e-3", "--vector", "sync"]
+FAST = ["--num-envs", "2", "--num-steps", "32", "--beta", "0.01", "--learning-rate", "3e-3", "--vector", "sync",
+        "--validation-episodes", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +247,8 @@ def test_the_command_line_passes_threads_learning_rates_and_the_policy_settings_
     assert result.exit_code == 0, result.output
     config = json.loads((tmp_path / "copy" / "policy.json").read_text())["config"]
     assert config["policy_init"] == "copy" and config["kl_gradient"] is False and config["learning_rate"] == 1e-5
-    assert config["subgoal_shaping"] == 0.0 and config["self_imitation"] == 0.0  # off unless asked for
+    assert config["subgoal_shaping"] == 1.0 and config["self_imitation"] == 1.0  # the default recipe's
+    assert config["validation_episodes"] == 32 and config["validation_keep"] == "guard" and config["tau"] == 0.3
 
 
 def test_tau_is_the_temperature_the_fine_tuned_policy_is_saved_and_played_with(tiny, tmp_path):
@@ -262,7 +264,7 @@ def test_tau_is_the_temperature_the_fine_tuned_policy_is_saved_and_played_with(t
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "plain"), *FAST, "--iterations", "1")
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "plain" / "policy.json").read_text())
-    assert meta["config"]["tau"] is None and meta["tau"] == 1.0  # without --tau, the checkpoint's
+    assert meta["config"]["tau"] == 0.3 and meta["tau"] == 0.3  # without --tau, the default recipe's
 
 
 def test_a_checkpoint_from_before_the_value_learning_rate_resumes_as_it_would_have(tiny, tmp_path):

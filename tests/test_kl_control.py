@@ -53,10 +53,14 @@ def tiny_run(tmp_path_factory):
 
 
 def _kls(run, env: str, iterations: int = 48, **settings) -> tuple[list[float], list[dict[str, float]]]:
+    from online_envs import PLAIN
+
     from offline_agent.learn.policy import Policy
 
     torch.set_num_threads(1)
-    config = PPOConfig(num_envs=4, num_steps=32, vector="sync", iterations=iterations, **settings)
+    kl = {"target_kl": 0.05} if "beta" not in settings else {}
+    config = PPOConfig(num_envs=4, num_steps=32, vector="sync", iterations=iterations, learning_rate=3e-3,
+                       **{**PLAIN, **kl, **settings})
     trainer = PPOTrainer(Policy.load(run), env, config)
     try:
         rows = [trainer.train_iteration() for _ in range(iterations)]
@@ -88,12 +92,14 @@ def test_self_imitation_is_held_too(tiny_run):
 def _update_far_from_the_reference(run, **settings) -> tuple[float, float, dict[str, float]]:
     """KL to the reference before and after one PPO update (random advantages, no penalty gradient) of a
     policy carried far from the reference, and the update's metrics."""
+    from online_envs import PLAIN
     from test_ppo import _kl_to_reference
 
     from offline_agent.learn.policy import Policy
 
     torch.set_num_threads(1)
-    config = PPOConfig(num_envs=2, num_steps=16, vector="sync", target_kl=0.05, max_update_kl=None, **settings)
+    config = PPOConfig(num_envs=2, num_steps=16, vector="sync", target_kl=0.05, max_update_kl=None,
+                       learning_rate=3e-3, **{**PLAIN, **settings})
     trainer = PPOTrainer(Policy.load(run), "online_envs:make_widget", config)
     try:
         trainer.train_iteration()  # fills the rollout storage

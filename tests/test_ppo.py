@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from offline_agent.errors import UserError
-from offline_agent.online.config import PPOConfig
+from offline_agent.online.config import DEFAULT_TARGET_KL, PPOConfig
 from offline_agent.online.kl import entropy, exact_kl, masked_log_softmax
 from offline_agent.online.losses import clipped_policy_loss, expected_value, gae, shaping_reward, subgoal_potential
 from offline_agent.online.ppo import PPOTrainer
@@ -131,7 +131,7 @@ def test_config_rejects_bad_values_naming_the_fix(settings, message):
 
 
 def test_config_defaults_to_the_adaptive_controller():
-    assert PPOConfig().target_kl == 0.05
+    assert PPOConfig().target_kl == DEFAULT_TARGET_KL
     assert PPOConfig(beta=0.0).target_kl is None
 
 
@@ -147,9 +147,12 @@ def tiny_run(tmp_path_factory):
 
 
 def _trainer(run, **settings):
+    from online_envs import PLAIN
+
     from offline_agent.learn.policy import Policy
 
-    config = PPOConfig(num_envs=2, num_steps=16, vector="sync", **settings)
+    old = {"learning_rate": 3e-3, **({} if "beta" in settings else {"target_kl": 0.05})}  # the defaults they pinned
+    config = PPOConfig(num_envs=2, num_steps=16, vector="sync", **{**PLAIN, **old, **settings})
     return PPOTrainer(Policy.load(run), "online_envs:make_widget", config)
 
 

@@ -155,7 +155,7 @@ def test_rollouts_buffer_exactly_the_successful_episodes_and_imitation_raises_th
 def test_without_self_imitation_there_is_no_buffer_and_the_metrics_are_zero(tiny_run):
     from offline_agent.learn.policy import Policy
 
-    config = PPOConfig(num_envs=2, num_steps=8, vector="sync", beta=0.0)
+    config = PPOConfig(num_envs=2, num_steps=8, vector="sync", beta=0.0, self_imitation=0.0)
     trainer = PPOTrainer(Policy.load(tiny_run), "online_envs:make_widget", config)
     try:
         assert trainer.success_buffer is None

@@ -163,7 +163,7 @@ def test_a_run_whose_training_goes_wrong_keeps_its_last_good_policy(tiny, tmp_pa
     def run(source, env, out, validation, **settings):
         config = PPOConfig(
             **{"iterations": 6, "num_envs": 2, "num_steps": 16, "vector": "sync", "beta": 0.01, "learning_rate": 3e-3,
-               "validation_episodes": validation, **settings}
+               **online_envs.PLAIN, "validation_episodes": validation, **settings}
         )
         finetune(source, env, out, config)
         return out
