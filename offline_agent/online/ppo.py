@@ -392,9 +392,8 @@ class PPOTrainer:
                 ref_kl = exact_kl(logp, b.ref_logps[mb], mb_mask).mean()
                 kl_loss = beta * ref_kl
                 policy_loss = pg.loss - c.ent_coef * ent + (kl_loss if c.kl_gradient else 0.0)
-                if self.outside_trust_region(ref_kl):
-                    policy_loss, pulled = ref_kl, pulled + 1
-                loss = policy_loss + c.vf_coef * v_loss
+                pull = self.outside_trust_region(ref_kl)
+                loss = (ref_kl if pull else policy_loss) + c.vf_coef * v_loss
                 # Stop before a step that would carry the policy further from the rollout's (most needed by a
                 # copied head, whose logits move 1/tau times as much as its weights).
                 if n_updates and c.max_update_kl is not None and pg.approx_kl > c.max_update_kl:
@@ -407,6 +406,6 @@ class PPOTrainer:
                 values = (pg.loss.item(), v_loss.item(), kl_loss.item(), ent.item(), pg.clipfrac, pg.approx_kl)
                 for key, value in zip(names, values, strict=True):
                     sums[key] += value
-                n_updates += 1
+                n_updates, pulled = n_updates + 1, pulled + pull
         means = {key: value / n_updates for key, value in sums.items()}
         return {**means, "policy/update_steps": float(n_updates), "policy/pulled_back": pulled / n_updates}
