@@ -41,9 +41,10 @@ def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
     batch_size = "32" if quick else "64"
     iterations = "1" if quick else "6"
     episodes = "5" if quick else "40"
-    # The guard's held-out episodes (fine-tuning's default is 32): the demo's 6 iterations start from a weak CQL
-    # policy (100 logs, 500 steps), which fine-tuning can make worse at first; the guard keeps the offline one then.
-    validation = "4" if quick else "16"
+    # Fine-tuning keeps its default guard of 32 validation episodes: the demo's 6 iterations start from a weak CQL
+    # policy (100 logs, 500 steps) that they make worse at first (validation 0.91 -> 0.31-0.56), and the guard
+    # keeps the offline one. With 16 episodes the first iteration tied the offline policy (0.875 each), the
+    # guard took it, and it scored 0.85 against CQL's 0.925 on the demo's 40 evaluation episodes.
     return [
         ("ingest the sample logs", ["ingest", str(SAMPLES / SAMPLE / "logs.jsonl"), "--out", str(data)]),
         ("what is in them", ["info", str(data)]),
@@ -59,7 +60,7 @@ def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
         ("fine-tune CQL online with PPO + KL", ["finetune", str(runs / "cql"), "--env", ENV, "--out",
                                                 str(runs / "finetune"), "--iterations", iterations,
                                                 "--num-envs", "4", "--num-steps", "32",
-                                                "--validation-episodes", validation, "--seed", "0"]),
+                                                *(["--validation-episodes", "4"] if quick else []), "--seed", "0"]),
         ("evaluate the policy that wrote the logs", ["evaluate", "behaviour:noisy:0.5", "--env", ENV, "--episodes",
                                                      episodes, "--seed", "1000", "--json", ">",
                                                      str(out / "eval" / "behaviour.json")]),
