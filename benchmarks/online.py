@@ -58,7 +58,7 @@ EVAL_SEED = 1000
 #: default recipe (target KL 0.1, tau 0.3, shaping, self-imitation, a guard of 32 validation episodes, 48 iterations:
 #: `PPOConfig`) took them up. Named variants keep their names and results; the recipe is the variant
 #: `--tau 0.3 --subgoal-shaping 1 --self-imitation 1 --target-kl 0.1 --validation-episodes 32 --validation-keep guard
-#: --iterations 48` (benchmarks/run_all.py: RECIPE).
+#: --iterations 48` (benchmarks/run_all.py: RECIPE_ARGS).
 PLAIN_TARGET_KL = 0.05
 PLAIN_VALIDATION_KEEP = "best"
 #: What a run sets explicitly so that PPOConfig's recipe defaults do not leak into it (the scratch baseline).

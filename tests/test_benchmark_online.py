@@ -90,11 +90,27 @@ def test_every_online_entry_of_make_bench_names_the_result_file_its_run_writes()
 
 def test_the_recipe_entry_runs_the_library_defaults():
     # README's online table is "what `offline-agent finetune` does by default": the entry must follow PPOConfig.
-    from benchmarks.run_all import RECIPE
+    from benchmarks.run_all import RECIPE, RECIPE_ARGS
     from offline_agent.online.config import PPOConfig
 
-    args, config = parse_args(RECIPE[2]), PPOConfig()
-    assert RECIPE[0] == "online" + variant(args).replace("-", "_").replace(".", "")
+    name, script, extra = RECIPE
+    assert script == "online_seeds.py" and extra[extra.index("--name") + 1] == name
+    online_args = extra[extra.index("--") + 1 :]
+    assert online_args[: len(RECIPE_ARGS)] == RECIPE_ARGS
+    args, config = parse_args(online_args), PPOConfig()
+    assert args.episodes == 200 and extra[extra.index("--seeds") + 1 : extra.index("--")] == ["0", "1", "2"]
     for name in ("tau", "subgoal_shaping", "self_imitation", "validation_episodes", "validation_keep", "target_kl",
                  "iterations", "num_envs", "num_steps", "learning_rate", "kl_gain", "trust_region"):
         assert getattr(args, name) == getattr(config, name), name
+
+
+def test_seeds_table_pools_the_seeds_episodes_and_finds_the_worst_dip():
+    from benchmarks.online_seeds import pooled, result_name, worst_dip
+
+    assert pooled([(46, 50), (47, 50), (50, 50)]) == (143, 150)
+    # the lowest early evaluation of any seed, against the offline start (0.88): 0.72 is a dip of 16 points
+    assert worst_dip(0.88, [{1: (47, 50), 2: (46, 50)}, {1: (36, 50), 2: (44, 50)}]) == "0.88 -> 0.72 after 1: yes"
+    assert worst_dip(0.88, [{1: (44, 50)}]) == "0.88 -> 0.88 after 1: no"
+    assert worst_dip(0.88, [{}]) == "-"
+    assert result_name(["--tau", "0.3"], 0) == "online_tau03"
+    assert result_name(["--tau", "0.3"], 2) == "online_tau03_seed2"

@@ -1,0 +1,148 @@
+"""Does evaluate's FQE interval cover the value the policy really gets?
+
+For each built-in simulator and each log size (`--logs`, default 150 and 600
+episodes of the `noisy:0.5` behaviour, seed 0): simulate and ingest the logs,
+train CQL with the library's defaults, then ask the product what a user would
+ask, `evaluate RUN --dataset DATA` (`off_policy_value`: FQE fitted 3 times on
+the dataset's held-out test split, a bootstrap 95% interval over the split's
+episodes and the fits, and the coverage of the policy's choices by the logs).
+The truth is the same greedy policy played in the simulator on `--episodes`
+fresh episodes: its mean discounted return (gamma of the run), with a 95%
+normal interval of its own. "Covers" means the FQE interval contains the
+simulated mean.
+
+Everything is cached under `--workdir` (logs, datasets with their embedding
+caches, runs, and each row's numbers), so `--tables-only` rebuilds the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
+
+SIMS = {
+    "pipeline": "offline_agent/PipelineRepair-v0",
+    "logistics": "offline_agent/Logistics-v0",
+    "support": "offline_agent/CustomerSupport-v0",
+}
+EVAL_SEED = 3000  # simulated episodes never used in the logs (seed 0) or the other benchmarks' evaluations
+
+
+def mean_interval(values: list[float], z: float = 1.96) -> tuple[float, float, float]:
+    """(mean, low, high): the normal 95% interval of a mean of independent episodes."""
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / max(n - 1, 1)
+    half = z * math.sqrt(var / n)
+    return mean, mean - half, mean + half
+
+
+def covers(low: float, high: float, value: float) -> bool:
+    return low <= value <= high
+
+
+def run_row(sim: str, logs: int, args: argparse.Namespace) -> dict:
+    """One simulator and log size: train (or reuse) CQL, FQE it on the test split, play it in the simulator."""
+    from offline_agent.evaluate import off_policy_value
+    from offline_agent.ingest import ingest
+    from offline_agent.learn.policy import Policy
+    from offline_agent.learn.train import train
+    from offline_agent.online.play import rollout_policy
+    from offline_agent.simulate import simulate
+
+    folder = Path(args.workdir) / f"{sim}-logs{logs}"
+    saved = folder / "row.json"
+    if saved.is_file() and args.reuse:
+        return json.loads(saved.read_text())
+    started = time.perf_counter()
+    data, run = folder / "data", folder / "cql"
+    if not (data / "dataset.json").is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        logged = simulate(SIMS[sim], logs, BEHAVIOUR, 0, folder / "logs.jsonl").path
+        ingest([logged], data, overwrite=True)
+    if not (run / "policy.json").is_file():
+        train(data, "cql", run, seed=0, overwrite=True, progress=sys.stderr.isatty())
+    report = off_policy_value(run, data, runs=args.fqe_runs)
+    policy = Policy.load(run, precision=args.encoder_precision)
+    outcomes = rollout_policy(SIMS[sim], policy, args.episodes, EVAL_SEED, report.gamma)
+    true, true_low, true_high = mean_interval([o.discounted_return for o in outcomes])
+    row = {
+        "sim": sim, "logs": logs, "test_episodes": report.episodes, "fqe": report.fqe_value,
+        "fqe_ci95": list(report.fqe_ci95), "coverage": report.coverage, "behaviour": report.behaviour_value,
+        "true": true, "true_ci95": [true_low, true_high], "episodes": len(outcomes),
+        "success": sum(o.success for o in outcomes) / len(outcomes), "seconds": time.perf_counter() - started,
+    }
+    saved.write_text(json.dumps(row, indent=1) + "\n")
+    print(f"[{sim}, {logs} logs] FQE {row['fqe']:.3f} {row['fqe_ci95']} vs simulated {true:.3f} "
+          f"({row['seconds']:.0f} s)", flush=True)
+    return row
+
+
+def table_row(row: dict) -> list[object]:
+    low, high = row["fqe_ci95"]
+    t_low, t_high = row["true_ci95"]
+    trusted = "yes" if row["coverage"] >= 0.5 else "no (coverage < 0.5)"
+    return [
+        row["sim"], row["logs"], row["test_episodes"], f"{row['fqe']:.3f} [{low:.3f}, {high:.3f}]",
+        f"{row['true']:.3f} [{t_low:.3f}, {t_high:.3f}]", "yes" if covers(low, high, row["true"]) else "**no**",
+        f"{row['coverage']:.2f}", trusted, f"{row['behaviour']:.3f}",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sims", nargs="*", default=list(SIMS), choices=list(SIMS))
+    parser.add_argument("--logs", type=int, nargs="*", default=[150, 600], help="logged episodes per setting")
+    parser.add_argument("--episodes", type=int, default=300, help="simulated episodes for the true value")
+    parser.add_argument("--fqe-runs", type=int, default=3, help="FQE fits per estimate (evaluate's default)")
+    parser.add_argument("--encoder-precision", choices=["fp32", "bf16"], default="bf16",
+                        help="the encoder's precision in the simulated episodes")
+    parser.add_argument("--workdir", default=str(Path(__file__).parent / "out" / "fqe_coverage"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reuse", action="store_true", help="keep the rows already measured in --workdir")
+    parser.add_argument("--tables-only", action="store_true", help="rebuild the table from --workdir")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    args.reuse = args.reuse or args.tables_only
+    started = time.perf_counter()
+    rows = []
+    for sim in args.sims:
+        for logs in args.logs:
+            if args.tables_only and not (Path(args.workdir) / f"{sim}-logs{logs}" / "row.json").is_file():
+                continue
+            rows.append(run_row(sim, logs, args))
+    covered = sum(covers(*r["fqe_ci95"], r["true"]) for r in rows)
+    table = (
+        f"CQL (library defaults, seed 0) trained on N logged episodes of `{BEHAVIOUR}`; `evaluate --dataset`'s "
+        f"FQE ({args.fqe_runs} fits) on the dataset's test split, with its bootstrap 95% interval, against the "
+        f"same greedy policy's mean discounted return over {args.episodes} simulated episodes (95% normal "
+        f"interval; seeds from {EVAL_SEED}). Coverage: the share of the policy's test-split choices logged in one "
+        "of the 10 most similar states; below 0.5 `evaluate` says not to trust the value.\n\n"
+        + markdown_table(
+            ["simulator", "logs", "test episodes", "FQE [95% interval]", "simulated [95% interval]", "covers",
+             "coverage", "trusted by evaluate", "behaviour (test logs)"],
+            [table_row(r) for r in rows],
+        )
+        + f"\n\nThe interval covers the simulated value in {covered} of {len(rows)} settings."
+        + ("" if args.tables_only else f" Wall time {(time.perf_counter() - started) / 60:.1f} min.")
+    )
+    write_result("fqe_coverage", "Off-policy evaluation: does the FQE interval cover the true value?", table,
+                 " ".join(["python benchmarks/fqe_coverage.py", *sys.argv[1:]]))
+
+
+if __name__ == "__main__":
+    main()
