@@ -5,9 +5,10 @@
 `offline_agent.online.play.rollout_policy`, the rollouts fine-tuning's validation
 plays too: episode i resets the environment with `simulate.episode_seed(seed, i)`,
 the same seeds `offline-agent simulate` uses, so a policy and the logs' behaviour
-policy are compared on identical tasks. With `encoder_precision="bf16"` the
-encoder runs in bfloat16 (`TextEncoder`), about twice as fast on CPUs with bf16
-instructions, for a policy trained on fp32 vectors too.
+policy are compared on identical tasks. The encoder runs in bfloat16 where the
+device computes in it natively (`encoder_precision="auto"`, the default; `TextEncoder`),
+about twice as fast as fp32 on CPUs with bf16 instructions, for a policy trained on
+fp32 vectors too; "fp32" or "bf16" forces one.
 
 `summarize` turns the episodes into the report: success rate with its 95%
 Wilson interval, mean return (and discounted return, what FQE estimates), mean
@@ -147,7 +148,7 @@ def evaluate(
     encoder: Any = None,
     n_envs: int = 16,
     safety: str | Sequence[str] | None = None,
-    encoder_precision: str = "fp32",
+    encoder_precision: str = "auto",
     backend: str = "local",
     ray_address: str | None = None,
     ray_actors: int | None = None,
@@ -158,7 +159,8 @@ def evaluate(
     (`behaviour:noisy:0.5`, `behaviour:expert`, ...). `safety` is the filter the rollouts run behind (specs
     as in `offline_agent.envs.safety`): None applies the rules saved with the run (a fine-tuned run's
     `--safety`; an offline run or a behaviour policy has none), a spec or list of specs replaces them, and
-    `()` evaluates without any. `encoder_precision` is the rollouts' encoder's ("fp32" or "bf16").
+    `()` evaluates without any. `encoder_precision` is the rollouts' encoder's ("fp32", "bf16", or "auto": bf16 where the device computes
+    in it natively, else fp32).
     `backend="ray"` runs the environments in `ray_actors` Ray actors (see `offline_agent.ray_backend` for
     `ray_address`); the policy plays here, and the episodes are the same as with the local backend.
     """

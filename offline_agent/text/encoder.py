@@ -22,14 +22,42 @@ import numpy as np
 from offline_agent.errors import UserError
 from offline_agent.text.states import observation_views
 
-#: Number formats the encoder's forward pass can run in (`TextEncoder(precision=...)`).
-PRECISIONS = ("fp32", "bf16")
-Precision = Literal["fp32", "bf16"]
+#: Number formats the encoder's forward pass can run in (`TextEncoder(precision=...)`); "auto" is bf16 where the
+#: device computes in bf16 natively and fp32 elsewhere (`resolve_precision`).
+PRECISIONS = ("fp32", "bf16", "auto")
+Precision = Literal["fp32", "bf16", "auto"]
 
 # Files whose names and sizes identify a model's weights and tokenizer in the encoder id; hashing
 # 90 MB of weights on every start would cost more than the encoding of a small dataset.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "merges.txt", "spiece.model", "tokenizer.model")
+
+
+def native_bf16(device: str = "cpu") -> bool:
+    """Whether `device` computes in bfloat16 natively: a CUDA GPU that supports it, or a CPU with AMX or
+    AVX512-BF16 instructions. Elsewhere torch emulates bf16, slower than fp32."""
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if kind != "cpu":
+        return False
+    # torch's own probes (private, so looked up defensively: a torch without them gets fp32).
+    probes = (getattr(torch.cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    return any(probe() for probe in probes if probe is not None)
+
+
+def resolve_precision(precision: str, device: str = "cpu") -> str:
+    """"fp32" or "bf16" for a requested precision: "auto" is bf16 where `native_bf16(device)`, else fp32.
+
+    bf16 is the default of rollouts (fine-tuning, evaluation) because there it is ~2x as fast with vectors
+    within 1e-4 of cosine of fp32's (benchmarks/results/rollout_speed.md); emulated, it would be slower."""
+    if precision not in PRECISIONS:
+        raise UserError(f"--encoder-precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision != "auto":
+        return precision
+    return "bf16" if native_bf16(device) else "fp32"
 
 
 def default_encoder_path() -> str:
@@ -159,7 +187,7 @@ class TextEncoder:
         self.max_length = max_length
         self.batch_size = batch_size
         self.observation_view = observation_view
-        self.precision = precision
+        self.precision = resolve_precision(precision, device)  # "auto" becomes what this device runs
         self.model_id = encoder_id(folder, max_length)  # the model and its settings, before `precision`
         self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
 
