@@ -159,8 +159,8 @@ def evaluate(
     (`behaviour:noisy:0.5`, `behaviour:expert`, ...). `safety` is the filter the rollouts run behind (specs
     as in `offline_agent.envs.safety`): None applies the rules saved with the run (a fine-tuned run's
     `--safety`; an offline run or a behaviour policy has none), a spec or list of specs replaces them, and
-    `()` evaluates without any. `encoder_precision` is the rollouts' encoder's ("fp32", "bf16", or "auto": bf16 where the device computes
-    in it natively, else fp32).
+    `()` evaluates without any. `encoder_precision` is the rollouts' encoder's: "fp32", "bf16", or "auto" (bf16
+    where the device computes in it natively, else fp32).
     `backend="ray"` runs the environments in `ray_actors` Ray actors (see `offline_agent.ray_backend` for
     `ray_address`); the policy plays here, and the episodes are the same as with the local backend.
     """
