@@ -1,8 +1,10 @@
 """Does evaluate's FQE interval cover the value the policy really gets?
 
-For each built-in simulator and each log size (`--logs`, default 150 and 600
+For each built-in simulator and each log size (`--logs`, default 150 and 800
 episodes of the `noisy:0.5` behaviour, seed 0): simulate and ingest the logs,
-train CQL with the library's defaults, then ask the product what a user would
+train CQL with the library's defaults (the same offline stage as the online
+benchmark's `--logs N` starts, in the same cache folders, so the 800-episode
+runs are the fine-tuning benchmark's starts and are trained once), then ask the product what a user would
 ask, `evaluate RUN --dataset DATA` (`off_policy_value`: FQE fitted 3 times on
 the dataset's held-out test split, a bootstrap 95% interval over the split's
 episodes and the fits, and the coverage of the policy's choices by the logs).
@@ -62,7 +64,7 @@ def run_row(sim: str, logs: int, args: argparse.Namespace) -> dict:
     from offline_agent.simulate import simulate
 
     folder = Path(args.workdir) / f"{sim}-logs{logs}"
-    saved = folder / "row.json"
+    saved = folder / "fqe_coverage.json"
     if saved.is_file() and args.reuse:
         return json.loads(saved.read_text())
     started = time.perf_counter()
@@ -103,12 +105,13 @@ def table_row(row: dict) -> list[object]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sims", nargs="*", default=list(SIMS), choices=list(SIMS))
-    parser.add_argument("--logs", type=int, nargs="*", default=[150, 600], help="logged episodes per setting")
+    parser.add_argument("--logs", type=int, nargs="*", default=[150, 800], help="logged episodes per setting")
     parser.add_argument("--episodes", type=int, default=300, help="simulated episodes for the true value")
     parser.add_argument("--fqe-runs", type=int, default=3, help="FQE fits per estimate (evaluate's default)")
     parser.add_argument("--encoder-precision", choices=["fp32", "bf16"], default="bf16",
                         help="the encoder's precision in the simulated episodes")
-    parser.add_argument("--workdir", default=str(Path(__file__).parent / "out" / "fqe_coverage"))
+    parser.add_argument("--workdir", default=str(Path(__file__).parent / "out" / "online"),
+                        help="where <sim>-logs<N>/ keeps logs, dataset, run and row (the online benchmark's cache)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reuse", action="store_true", help="keep the rows already measured in --workdir")
     parser.add_argument("--tables-only", action="store_true", help="rebuild the table from --workdir")
@@ -122,7 +125,7 @@ def main() -> None:
     rows = []
     for sim in args.sims:
         for logs in args.logs:
-            if args.tables_only and not (Path(args.workdir) / f"{sim}-logs{logs}" / "row.json").is_file():
+            if args.tables_only and not (Path(args.workdir) / f"{sim}-logs{logs}" / "fqe_coverage.json").is_file():
                 continue
             rows.append(run_row(sim, logs, args))
     covered = sum(covers(*r["fqe_ci95"], r["true"]) for r in rows)

@@ -132,6 +132,29 @@ def evaluate_run(
     return report.successes, report.episodes
 
 
+def offline_evaluation(run: Path, env: str, args: argparse.Namespace) -> tuple[int, int]:
+    """The offline policy's evaluation, kept in its run folder (`evaluations.json`): every variant and seed of a
+    simulator starts from the same policy and plays the same episodes, so they share one evaluation per episode
+    count, precision and thread count (threads change the encoder's sums in their last bits). Evaluations behind
+    a safety filter are not kept."""
+    from offline_agent.online.finetune import file_sha256
+
+    key = f"{args.episodes}-{args.encoder_precision}-threads{args.threads}"
+    path, weights = run / "evaluations.json", file_sha256(run / "policy.safetensors")
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    if saved.get("weights") != weights:  # retrained (--retrain): the evaluations kept are of other weights
+        saved = {"weights": weights}
+    if args.safety is None and key in saved:
+        return tuple(saved[key])
+    result = evaluate_run(run, env, args.episodes, args.safety, args.encoder_precision)
+    if args.safety is None:
+        saved[key] = list(result)
+        partial = path.with_suffix(".json.partial")
+        partial.write_text(json.dumps(saved, indent=1) + "\n")
+        partial.replace(path)
+    return result
+
+
 def rate(successes: int, n: int) -> str:
     from offline_agent.simulate import wilson_interval
 
@@ -442,7 +465,7 @@ def main() -> None:
         if args.tables_only:
             quality.append(quality_row(sim, *cached_runs(runs_folder(cache, sim, args))))
             continue
-        offline = evaluate_run(run, env, args.episodes, args.safety, args.encoder_precision)
+        offline = offline_evaluation(run, env, args)
         print(f"[{sim}] offline CQL: {rate(*offline)}", flush=True)
         runs = online_runs(sim, env, run, cache, args)
         evals = {"offline": offline, **{name: runs[name]["eval"] for name in ("finetune", "scratch") if name in runs},
