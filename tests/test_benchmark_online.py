@@ -105,9 +105,10 @@ def test_the_recipe_entry_runs_the_library_defaults():
 
 
 def test_seeds_table_pools_the_seeds_episodes_and_finds_the_worst_dip():
-    from benchmarks.online_seeds import pooled, result_name, worst_dip
+    from benchmarks.online_seeds import pooled, pooled_rate, result_name, worst_dip
 
     assert pooled([(46, 50), (47, 50), (50, 50)]) == (143, 150)
+    assert pooled_rate(569, 600).startswith("0.948 (")  # not rounded up to the 0.95 target
     # the lowest early evaluation of any seed, against the offline start (0.88): 0.72 is a dip of 16 points
     assert worst_dip(0.88, [{1: (47, 50), 2: (46, 50)}, {1: (36, 50), 2: (44, 50)}]) == "0.88 -> 0.72 after 1: yes"
     assert worst_dip(0.88, [{1: (44, 50)}]) == "0.88 -> 0.88 after 1: no"
