@@ -70,7 +70,7 @@ BENCHMARKS = [
     ("imitation_ceiling", "imitation_ceiling.py", []),
     ("encoder_tuning", "encoder_tuning.py", []),
     ("real_logs_auc", "real_logs_auc.py", []),
-    # Whether evaluate's FQE interval covers the value the policy gets in the simulator (150 and 600 logs).
+    # Whether evaluate's FQE interval covers the value the policy gets in the simulator (150 and 800 logs).
     ("fqe_coverage", "fqe_coverage.py", []),
     RECIPE,
     # Plain PPO + KL from the bundled 100 logs, with PPO from scratch beside it and the rollout throughput.
