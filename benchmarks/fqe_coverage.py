@@ -32,12 +32,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
+from benchmarks.online import SIMS, offline_folder, offline_stage  # noqa: E402
 
-SIMS = {
-    "pipeline": "offline_agent/PipelineRepair-v0",
-    "logistics": "offline_agent/Logistics-v0",
-    "support": "offline_agent/CustomerSupport-v0",
-}
 EVAL_SEED = 3000  # simulated episodes never used in the logs (seed 0) or the other benchmarks' evaluations
 
 
@@ -57,24 +53,16 @@ def covers(low: float, high: float, value: float) -> bool:
 def run_row(sim: str, logs: int, args: argparse.Namespace) -> dict:
     """One simulator and log size: train (or reuse) CQL, FQE it on the test split, play it in the simulator."""
     from offline_agent.evaluate import off_policy_value
-    from offline_agent.ingest import ingest
+    from offline_agent.learn.cql import CQLConfig
     from offline_agent.learn.policy import Policy
-    from offline_agent.learn.train import train
     from offline_agent.online.play import rollout_policy
-    from offline_agent.simulate import simulate
 
-    folder = Path(args.workdir) / f"{sim}-logs{logs}"
+    folder = offline_folder(Path(args.workdir), sim, logs)
     saved = folder / "fqe_coverage.json"
     if saved.is_file() and args.reuse:
         return json.loads(saved.read_text())
     started = time.perf_counter()
-    data, run = folder / "data", folder / "cql"
-    if not (data / "dataset.json").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
-        logged = simulate(SIMS[sim], logs, BEHAVIOUR, 0, folder / "logs.jsonl").path
-        ingest([logged], data, overwrite=True)
-    if not (run / "policy.json").is_file():
-        train(data, "cql", run, seed=0, overwrite=True, progress=sys.stderr.isatty())
+    data, run = folder / "data", offline_stage(sim, Path(args.workdir), CQLConfig().steps, logs=logs)
     report = off_policy_value(run, data, runs=args.fqe_runs)
     policy = Policy.load(run, precision=args.encoder_precision)
     outcomes = rollout_policy(SIMS[sim], policy, args.episodes, EVAL_SEED, report.gamma)
@@ -125,7 +113,7 @@ def main() -> None:
     rows = []
     for sim in args.sims:
         for logs in args.logs:
-            if args.tables_only and not (Path(args.workdir) / f"{sim}-logs{logs}" / "fqe_coverage.json").is_file():
+            if args.tables_only and not (offline_folder(Path(args.workdir), sim, logs) / "fqe_coverage.json").is_file():
                 continue
             rows.append(run_row(sim, logs, args))
     covered = sum(covers(*r["fqe_ci95"], r["true"]) for r in rows)

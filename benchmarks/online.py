@@ -155,11 +155,12 @@ def offline_evaluation(run: Path, env: str, args: argparse.Namespace) -> tuple[i
     return result
 
 
-def rate(successes: int, n: int) -> str:
+def rate(successes: int, n: int, digits: int = 2) -> str:
+    """'0.88 (0.76-0.94)': a success rate and its 95% Wilson interval, to `digits` decimals."""
     from offline_agent.simulate import wilson_interval
 
     low, high = wilson_interval(successes, n)
-    return f"{successes / n:.2f} ({low:.2f}-{high:.2f})"
+    return f"{successes / n:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def first_reaching(metrics, threshold: float = 0.95, min_episodes: int = 10) -> str:

@@ -43,10 +43,7 @@ def result_name(online_args: list[str], seed: int) -> str:
 
 def pooled_rate(successes: int, n: int) -> str:
     """A pooled success rate to three decimals ('0.948 (0.927-0.964)'): 600 episodes tell 0.948 from 0.95."""
-    from offline_agent.simulate import wilson_interval
-
-    low, high = wilson_interval(successes, n)
-    return f"{successes / n:.3f} ({low:.3f}-{high:.3f})"
+    return rate(successes, n, digits=3)
 
 
 def pooled(evals: list[tuple[int, int]]) -> tuple[int, int]:

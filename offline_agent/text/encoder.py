@@ -149,8 +149,6 @@ class TextEncoder:
 
         if batch_size < 1:
             raise UserError(f"--batch-size must be >= 1, got {batch_size}")
-        if precision not in PRECISIONS:
-            raise UserError(f"--encoder-precision {precision!r} is not one of {', '.join(PRECISIONS)}")
         if max_length < 8:
             raise UserError(f"encoder max_length must be >= 8 tokens, got {max_length}")
         try:
@@ -159,6 +157,7 @@ class TextEncoder:
             raise UserError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        precision = resolve_precision(precision, device)  # "auto" becomes what this device runs; checked here
         folder = _model_folder(path if path is not None else default_encoder_path())
         # transformers draws a "Loading weights" bar for a sub-second load; it would clutter the CLI's output.
         bar_was_on = hf_logging.is_progress_bar_enabled()
@@ -187,7 +186,7 @@ class TextEncoder:
         self.max_length = max_length
         self.batch_size = batch_size
         self.observation_view = observation_view
-        self.precision = resolve_precision(precision, device)  # "auto" becomes what this device runs
+        self.precision = precision
         self.model_id = encoder_id(folder, max_length)  # the model and its settings, before `precision`
         self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
 
