@@ -43,6 +43,9 @@ SOURCES = {
     "InterCode SQL": (REAL / "intercode" / "sql_gpt-4", "score-delta"),
     "InterCode bash": (REAL / "intercode" / "bash_gpt-4", "score-delta"),
 }
+#: Short names of the sources, for --sources.
+SLUGS = {"tau_airline": "τ-bench airline", "sql": "InterCode SQL", "bash": "InterCode bash"}
+SLUGS_BY_NAME = {name: slug for slug, name in SLUGS.items()}
 SPLIT = {"train": 0.6, "valid": 0.1, "test": 0.3}
 BUDGETS = {
     "default": {"max_episodes": 400, "steps": 1500, "batch_size": 128, "hidden": 128, "max_length": 128, "k": 3},
@@ -116,7 +119,7 @@ def make_dataset(name: str, source: Path, reward: str, max_episodes: int, workdi
     return out
 
 
-def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int) -> list[object]:
+def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int, mc_weight: float = 0.0) -> list[object]:
     import numpy as np
     import torch
 
@@ -140,7 +143,8 @@ def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int) -> lis
         t = time.perf_counter()
         # Ungrounded: the score is Q(s0, a0) of the state and action texts alone (see the README's table).
         network, _ = train_cql(features, CQLConfig(steps=budget["steps"], batch_size=budget["batch_size"],
-                                                   hidden=budget["hidden"], seed=seed, grounding=False))
+                                                   hidden=budget["hidden"], seed=seed, grounding=False,
+                                                   mc_weight=mc_weight))
         log(f"  CQL seed {seed}, {budget['steps']} steps in {time.perf_counter() - t:.0f}s")
         with torch.no_grad():
             q_logged = logged_q(network, features, test)
@@ -197,6 +201,10 @@ def main() -> None:
     parser.add_argument("--workdir", default=str(Path(__file__).parent / "out" / "real_logs_auc"))
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seeds", type=int, default=3, help="CQL seeds per source")
+    parser.add_argument("--mc-weight", type=float, default=0.0,
+                        help="CQL's Monte-Carlo auxiliary loss (its own table: real_logs_auc_mcW.md)")
+    parser.add_argument("--sources", nargs="*", choices=sorted(SLUGS), default=sorted(SLUGS),
+                        help="a part of the sources (the table then has only those rows)")
     args = parser.parse_args()
     missing = [str(p) for p, _ in SOURCES.values() if not p.exists()]
     if missing:
@@ -215,13 +223,17 @@ def main() -> None:
     rows = []
     start = time.perf_counter()
     for name, (source, reward) in SOURCES.items():
+        if SLUGS_BY_NAME[name] not in args.sources:
+            continue
         dataset = make_dataset(name, source, reward, budget["max_episodes"], workdir)
-        rows.append(run(name, dataset, budget, encoder, lambda m: print(m, file=sys.stderr, flush=True), args.seeds))
+        rows.append(run(name, dataset, budget, encoder, lambda m: print(m, file=sys.stderr, flush=True), args.seeds,
+                        args.mc_weight))
     b = budget
     table = (
         f"ROC AUC of each score for the success of held-out episodes (30% test split); CQL's: the mean of "
         f"{args.seeds} seeds [their range]; per step: Q(s_t, a_t) of every test step against its episode's success. "
-        f"CQL: {b['steps']} steps, "
+        f"CQL: {b['steps']} steps"
+        + (f", Monte-Carlo auxiliary loss weight {args.mc_weight:g}" if args.mc_weight else "") + ", "
         f"batch {b['batch_size']}, hidden {b['hidden']}, states of k = {b['k']} turns cut to {b['max_length']} tokens"
         + (f", at most {b['max_episodes']} episodes per source" if b["max_episodes"] else "")
         + f". Total {(time.perf_counter() - start) / 60:.1f} min.\n\n"
@@ -231,8 +243,16 @@ def main() -> None:
     )
     command = "python benchmarks/real_logs_auc.py" + (" --full" if args.full else "") + (
         f" --seeds {args.seeds}" if args.seeds != 3 else ""
+    ) + (f" --mc-weight {args.mc_weight:g}" if args.mc_weight else "") + (
+        f" --sources {' '.join(args.sources)}" if sorted(args.sources) != sorted(SLUGS) else ""
     )
-    write_result("real_logs_auc", "Real logs: value of the first state vs episode success", table, command)
+    name = "real_logs_auc" + (f"_mc{args.mc_weight:g}".replace(".", "") if args.mc_weight else "")
+    if sorted(args.sources) != sorted(SLUGS):
+        name += "_" + "_".join(sorted(args.sources))
+    title = "Real logs: value of the first state vs episode success" + (
+        f", with CQL's Monte-Carlo auxiliary loss (weight {args.mc_weight:g})" if args.mc_weight else ""
+    )
+    write_result(name, title, table, command)
 
 
 if __name__ == "__main__":

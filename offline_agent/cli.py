@@ -533,6 +533,10 @@ def train_command(
     cal_ql: bool = typer.Option(
         True, "--cal-ql/--no-cal-ql", help="CQL: floor pushed-down values at the MC return (Cal-QL)"
     ),
+    mc_weight: float = typer.Option(
+        0.0, "--mc-weight", help="cql: weight of an auxiliary regression of the logged action's Q on its "
+        "Monte-Carlo return (long episodes, few of them: real logs) [default: 0 = off]"
+    ),
     tune_encoder_layers: int = typer.Option(
         0, "--tune-encoder-layers", help="cql/bc: fine-tune the encoder's top N layers with the loss [default: 0]"
     ),
@@ -577,6 +581,8 @@ def train_command(
         settings["grounding"] = False
     if head != "factorised":
         settings["head"] = head
+    if mc_weight:
+        settings["mc_weight"] = mc_weight
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
         encoder=encoder, state_settings=state_settings, overwrite=overwrite,

@@ -19,6 +19,7 @@ from offline_agent.learn.cql import (
     conservative_penalty,
     cql_loss,
     double_q_target,
+    monte_carlo_loss,
     policy_probs,
     train_cql,
 )
@@ -87,6 +88,26 @@ def test_cal_ql_floors_the_pushed_down_values_at_the_monte_carlo_return():
     # max(0, 1.5) = 1.5, max(2, 1.5) = 2, the masked slot stays out; the data action is never floored
     assert torch.allclose(floored, T([math.log(math.e + math.e**1.5 + math.e**2) - 1.0]))
     assert floored > conservative_penalty(q_data, q_cand, mask)
+
+
+def test_the_monte_carlo_loss_is_the_squared_gap_to_the_logged_return_per_head():
+    q_data = T([[1.0, 0.5], [0.0, 2.0]])  # (K, B)
+    assert torch.equal(monte_carlo_loss(q_data, T([0.5, 1.0])), T([[0.25, 0.25], [0.25, 1.0]]))
+
+
+def test_the_monte_carlo_weight_adds_its_term_to_the_loss_and_zero_leaves_the_loss_as_it_was():
+    f = learn_data.color_lock_features()
+    torch.manual_seed(0)
+    net, target = (FactorisedQNetwork(f.dim, hidden=16, rank=4, pair_hidden=8) for _ in range(2))
+    batch = make_batch(f, torch.arange(64), torch.Generator().manual_seed(0), return_to_go=f.returns_to_go(0.9))
+    plain = cql_loss(net, target, batch, CQLConfig(gamma=0.9))
+    weighted = cql_loss(net, target, batch, CQLConfig(gamma=0.9, mc_weight=0.5))
+    with torch.no_grad():
+        q_data = net.all_heads(batch.state, batch.action_table[batch.action_id][:, None, :])[:, :, 0]  # (K, B)
+    expected = 0.5 * monte_carlo_loss(q_data, batch.return_to_go).mean(1).sum()
+    assert plain.mc == 0.0 and weighted.mc == pytest.approx(float(expected), rel=1e-5)
+    assert float(weighted.total.detach()) == pytest.approx(float(plain.total.detach()) + float(expected), rel=1e-5)
+    assert (weighted.td, weighted.cql) == (plain.td, plain.cql)
 
 
 def test_the_penalty_broadcasts_over_heads():
@@ -215,6 +236,7 @@ def test_filtered_bc_keeps_the_top_episodes_by_return_with_ties():
     ("make", "match"),
     [
         (lambda: CQLConfig(alpha=-1.0), r"alpha must be >= 0, got -1.0: use e.g. --alpha 1.0"),
+        (lambda: CQLConfig(mc_weight=-1.0), r"mc_weight must be >= 0, got -1.0: e.g. --mc-weight 1.0"),
         (lambda: CQLConfig(tau=0.0), r"tau \(policy temperature\) must be > 0, got 0.0"),
         (lambda: CQLConfig(gamma=1.5), r"gamma must be in \[0, 1\], got 1.5"),
         (lambda: CQLConfig(steps=0), r"steps must be >= 1, got 0; e.g. --steps 2000"),
@@ -261,12 +283,12 @@ def _success(network, episodes: int = 60) -> float:
     return sum(o.success for o in outcomes) / episodes
 
 
-@pytest.mark.parametrize("cal_ql, min_gap", [(True, 0.03), (False, 0.1)])
-def test_cql_learns_to_open_the_lock_far_better_than_random(cal_ql, min_gap):
+@pytest.mark.parametrize("cal_ql, mc_weight, min_gap", [(True, 0.0, 0.03), (False, 0.0, 0.1), (True, 1.0, 0.03)])
+def test_cql_learns_to_open_the_lock_far_better_than_random(cal_ql, mc_weight, min_gap):
     from offline_agent.online.play import rollout_policy
 
     f = learn_data.color_lock_features()
-    net, history = train_cql(f, CQLConfig(**FAST, cal_ql=cal_ql, log_every=50))
+    net, history = train_cql(f, CQLConfig(**FAST, cal_ql=cal_ql, mc_weight=mc_weight, log_every=50))
     assert [r["step"] for r in history] == [50, 100, 150, 200, 250, 300]
     assert set(METRICS) <= set(history[-1])
     # The logged (mostly right) buttons are valued above the others; Cal-QL's floor (the return, in [0, 1]

@@ -50,7 +50,7 @@ OnStep = Callable[[int, dict[str, float] | None], None]
 DEFAULT_HIDDEN = {"factorised": 128, "pairwise": 256}
 
 #: Metric names written to RUN/metrics.parquet (a stable contract).
-METRICS = ("loss/total", "loss/td", "loss/cql", "q/data_mean", "q/ood_gap", "q/target_mean")
+METRICS = ("loss/total", "loss/td", "loss/cql", "loss/mc", "q/data_mean", "q/ood_gap", "q/target_mean")
 
 
 @dataclass
@@ -78,6 +78,11 @@ class CQLConfig(EncoderTuningSettings):
     pair_hidden: int = field(default=32, metadata={"help": "width G of the per-pair layers (factorised head)"})
     n_heads: int = field(default=2, metadata={"help": "Q heads (2 = twin Q with min)"})
     cal_ql: bool = field(default=True, metadata={"help": "floor pushed-down values at the MC return"})
+    mc_weight: float = field(
+        default=0.0,
+        metadata={"help": "weight of an auxiliary regression of Q(s, a) of the logged action on its Monte-Carlo "
+                  "return; >= 0, 0 = off"},
+    )
     n_sampled_candidates: int = field(
         default=16, metadata={"help": "candidates sampled for steps whose log has none"}
     )
@@ -95,6 +100,8 @@ class CQLConfig(EncoderTuningSettings):
         self.check_encoder_tuning()
         if self.alpha < 0:
             raise UserError(f"alpha must be >= 0, got {self.alpha}: use e.g. --alpha 1.0 (0 turns CQL into DQN)")
+        if not self.mc_weight >= 0:
+            raise UserError(f"mc_weight must be >= 0, got {self.mc_weight}: e.g. --mc-weight 1.0 (0 turns it off)")
         if not 0.0 < self.target_update_rate <= 1.0:
             raise UserError(f"target_update_rate must be in (0, 1], got {self.target_update_rate}; e.g. 0.005")
         if self.n_heads < 1:
@@ -174,6 +181,18 @@ def conservative_penalty(
     return torch.logsumexp(q_all, -1) - q_data
 
 
+def monte_carlo_loss(q_data: torch.Tensor, return_to_go: torch.Tensor) -> torch.Tensor:
+    """`(Q(s, a) - G)^2` per head and row: q_data (K, B) of the logged action, return_to_go (B,) its
+    discounted return in the log. Returns (K, B).
+
+    TD carries a reward at an episode's last step back one step per target update, so on long episodes with
+    few of them (real logs: tens of steps, a few hundred episodes) the first state's value has barely heard
+    of the outcome when training stops. The logged return tells every step at once what became of its
+    episode: a supervised signal under the Bellman one, as in the Monte-Carlo targets of Cal-QL's floor.
+    """
+    return (q_data - return_to_go[None, :]).pow(2)
+
+
 def policy_probs(q: torch.Tensor, mask: torch.Tensor, tau: float) -> torch.Tensor:
     """pi(a|s) = softmax(Q / tau) over valid candidates: q (B, C), mask (B, C) -> (B, C), 0 where masked."""
     return torch.softmax(masked(q, mask) / tau, dim=1)
@@ -192,6 +211,7 @@ class CQLLoss:
     total: torch.Tensor
     td: float
     cql: float
+    mc: float
     q_data_mean: float
     q_ood_gap: float
     q_target_mean: float
@@ -200,7 +220,8 @@ class CQLLoss:
         return dict(
             zip(
                 METRICS,
-                (float(self.total.detach()), self.td, self.cql, self.q_data_mean, self.q_ood_gap, self.q_target_mean),
+                (float(self.total.detach()), self.td, self.cql, self.mc, self.q_data_mean, self.q_ood_gap,
+                 self.q_target_mean),
                 strict=True,
             )
         )
@@ -242,15 +263,19 @@ def cql_loss(q_net: torch.nn.Module, target_net: torch.nn.Module, batch: Batch, 
     floor = batch.return_to_go if config.cal_ql else None
     penalty = conservative_penalty(q_data, q_cand, batch.cand_mask, floor)  # (K, B)
     cql = config.alpha * penalty.mean(1).sum()  # (K, B) -> ()
+    mc = torch.zeros(())
+    if config.mc_weight > 0:
+        mc = config.mc_weight * monte_carlo_loss(q_data, batch.return_to_go).mean(1).sum()  # (K, B) -> ()
     with torch.no_grad():
         q_min = q.min(0).values  # (K, B, 1 + C) -> (B, 1 + C)
         n_other = batch.cand_mask.sum()
         other_mean = (q_min[:, 1:] * batch.cand_mask).sum() / n_other.clamp(min=1)
         gap = float(q_min[:, 0].mean() - other_mean) if n_other > 0 else 0.0
     return CQLLoss(
-        total=td + cql,
+        total=td + cql + mc if config.mc_weight > 0 else td + cql,
         td=float(td.detach()),
         cql=float(cql.detach()),
+        mc=float(mc.detach()),
         q_data_mean=float(q_min[:, 0].mean()),
         q_ood_gap=gap,
         q_target_mean=float(y.mean()),
