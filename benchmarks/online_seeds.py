@@ -30,10 +30,15 @@ from benchmarks.online import cached_runs, parse_args, rate, runs_folder, varian
 HERE = Path(__file__).resolve().parent
 
 
-def seed_runs(online_args: list[str], seed: int, sim: str) -> tuple[tuple[int, int], dict]:
-    """The cached (offline evaluation, runs) of one seed's run of `sim` under `online_args`."""
+def seed_runs(online_args: list[str], seed: int, sim: str) -> tuple[tuple[int, int], dict] | None:
+    """The cached (offline evaluation, runs) of one seed's run of `sim` under `online_args`; None where that seed
+    has not finished (no evaluation of its fine-tuned policy yet)."""
     args = parse_args([*online_args, "--seed", str(seed)])
-    return cached_runs(runs_folder(Path(args.cache), sim, args))
+    folder = runs_folder(Path(args.cache), sim, args)
+    if not (folder / "evals.json").is_file():
+        return None
+    cached = cached_runs(folder)
+    return cached if "finetune" in cached[1] else None
 
 
 def result_name(online_args: list[str], seed: int) -> str:
@@ -61,8 +66,12 @@ def worst_dip(start: float, early: list[dict[int, tuple[int, int]]]) -> str:
 
 
 def seeds_row(sim: str, seeds: list[int], online_args: list[str]) -> list[object]:
-    """One simulator's row: offline, each seed, pooled, KL, worst dip."""
-    runs = [seed_runs(online_args, seed, sim) for seed in seeds]
+    """One simulator's row: offline, each seed ("not run" where it has not finished), the finished seeds pooled,
+    KL, worst dip."""
+    by_seed = [seed_runs(online_args, seed, sim) for seed in seeds]
+    runs = [r for r in by_seed if r is not None]
+    if not runs:
+        raise SystemExit(f"{sim}: no seed of these settings has finished: run it first (without --tables-only)")
     offline = runs[0][0]
     if any(r[0] != offline for r in runs):
         raise SystemExit(f"{sim}: the seeds' offline evaluations differ ({[r[0] for r in runs]}): rerun with one "
@@ -71,7 +80,8 @@ def seeds_row(sim: str, seeds: list[int], online_args: list[str]) -> list[object
     kl = [r[1]["finetune"]["metrics"]["objective/kl"] for r in runs]
     kl_mean = sum(float(k.mean()) for k in kl) / len(kl)
     return [
-        sim, rate(*offline), *(rate(*e) for e in finetuned), pooled_rate(*pooled(finetuned)),
+        sim, rate(*offline), *("not run" if r is None else rate(*r[1]["finetune"]["eval"]) for r in by_seed),
+        pooled_rate(*pooled(finetuned)),
         f"{kl_mean:.3f} / {max(float(k.max()) for k in kl):.3f}",
         worst_dip(offline[0] / offline[1], [r[1]["early"] for r in runs]),
     ]
@@ -100,7 +110,7 @@ def main() -> None:
             rows,
         )
         + f"\n\nSuccess rate (95% Wilson interval) of the greedy policy over {settings.episodes} evaluation episodes "
-        f"(the same for every policy and seed); all seeds: their {len(args.seeds) * settings.episodes} episodes "
+        f"(the same for every policy and seed); all seeds: the evaluation episodes of the seeds that ran "
         "pooled. KL: the per-step KL to the offline policy of the sampled rollouts, the mean over the seeds' "
         "iterations / the largest iteration of any seed. Early dip: the lowest greedy evaluation of any seed "
         f"after {', '.join(map(str, settings.dip_iterations))} iteration(s) against the offline policy. Each "

@@ -115,3 +115,26 @@ def test_seeds_table_pools_the_seeds_episodes_and_finds_the_worst_dip():
     assert worst_dip(0.88, [{}]) == "-"
     assert result_name(["--tau", "0.3"], 0) == "online_tau03"
     assert result_name(["--tau", "0.3"], 2) == "online_tau03_seed2"
+
+
+def test_a_seed_that_has_not_finished_is_shown_as_not_run_and_left_out_of_the_pooled_rate(tmp_path):
+    import json
+
+    from benchmarks.online_seeds import seeds_row
+
+    args = ["--cache", str(tmp_path), "--tau", "0.2"]
+    for seed, (successes, kl) in {0: (190, [0.05, 0.1]), 2: (180, [0.07, 0.2])}.items():
+        folder = runs_folder(tmp_path, "logistics", parse_args([*args, "--seed", str(seed)]))
+        (folder / "finetune").mkdir(parents=True)
+        pl.DataFrame({"objective/kl": kl}).write_parquet(folder / "finetune" / "metrics.parquet")
+        evals = {"offline": [170, 200], "finetune": [successes, 200], "early": {"1": [160, 200]}}
+        (folder / "evals.json").write_text(json.dumps(evals))
+    # seed 1's folder exists but its run stopped before the evaluation of its fine-tuned policy
+    unfinished = runs_folder(tmp_path, "logistics", parse_args([*args, "--seed", "1"]))
+    unfinished.mkdir(parents=True)
+    (unfinished / "evals.json").write_text(json.dumps({"offline": [170, 200]}))
+    row = seeds_row("logistics", [0, 1, 2], args)
+    assert row[:2] == ["logistics", "0.85 (0.79-0.89)"]
+    assert row[2].startswith("0.95 (") and row[3] == "not run" and row[4].startswith("0.90 (")
+    assert row[5].startswith("0.925 (")  # (190 + 180) / 400
+    assert row[6] == "0.105 / 0.200" and row[7] == "0.85 -> 0.80 after 1: no"
