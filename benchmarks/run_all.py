@@ -70,6 +70,8 @@ BENCHMARKS = [
     ("imitation_ceiling", "imitation_ceiling.py", []),
     ("encoder_tuning", "encoder_tuning.py", []),
     ("real_logs_auc", "real_logs_auc.py", []),
+    # CQL with its Monte-Carlo auxiliary loss (an option, off by default) on the same real logs and seeds.
+    ("real_logs_auc_mc5", "real_logs_auc.py", ["--mc-weight", "5"]),
     # Whether evaluate's FQE interval covers the value the policy gets in the simulator (150 and 800 logs).
     ("fqe_coverage", "fqe_coverage.py", []),
     RECIPE,
