@@ -19,6 +19,7 @@ which a `--tables-only` call writes the whole table.
 from __future__ import annotations
 
 import argparse
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -116,9 +117,7 @@ def main() -> None:
         f"after {', '.join(map(str, settings.dip_iterations))} iteration(s) against the offline policy. Each "
         f"seed's settings, timings and steps to 95% are in its own table: {per_seed}."
     )
-    command = "python benchmarks/online_seeds.py " + " ".join(
-        a for a in sys.argv[1:] if a != "--tables-only"
-    )
+    command = "python benchmarks/online_seeds.py " + shlex.join(a for a in sys.argv[1:] if a != "--tables-only")
     write_result(args.name, args.title, table, command)
 
 

@@ -75,6 +75,10 @@ BENCHMARKS = [
     # Whether evaluate's FQE interval covers the value the policy gets in the simulator (150 and 800 logs).
     ("fqe_coverage", "fqe_coverage.py", []),
     RECIPE,
+    # The recipe at a colder temperature, the candidate for the default (Logistics' sampled episodes succeed more).
+    ("online_tau02", "online_seeds.py",
+     ["--name", "online_tau02", "--title", "Online fine-tuning with the default recipe at tau 0.2 instead of 0.3",
+      "--seeds", "0", "1", "2", "--", *[("0.2" if a == "0.3" else a) for a in RECIPE_ARGS], "--episodes", "200"]),
     # Plain PPO + KL from the bundled 100 logs, with PPO from scratch beside it and the rollout throughput.
     ("online", "online.py", []),
     ("rollout_speed", "rollout_speed.py", []),
