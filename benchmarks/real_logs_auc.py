@@ -94,7 +94,7 @@ def make_dataset(name: str, source: Path, reward: str, max_episodes: int, workdi
     from offline_agent.dataset import TrajectoryDataset, write_dataset
     from offline_agent.ingest import ingest
 
-    slug = name.split()[-1].lower() if name.startswith("Inter") else "tau_airline"  # sql, bash
+    slug = SLUGS_BY_NAME[name]
     full = workdir / f"{slug}-all"
     if not (full / "dataset.json").exists():
         ingest([source], full, reward=reward, split=SPLIT, overwrite=True)
@@ -241,13 +241,14 @@ def main() -> None:
                           "task-only logistic regression", "first-state logistic regression",
                           "CQL Q(s0, a0) - best baseline"], rows)
     )
+    some_sources = sorted(args.sources) != sorted(SLUGS)
     command = "python benchmarks/real_logs_auc.py" + (" --full" if args.full else "") + (
         f" --seeds {args.seeds}" if args.seeds != 3 else ""
     ) + (f" --mc-weight {args.mc_weight:g}" if args.mc_weight else "") + (
-        f" --sources {' '.join(args.sources)}" if sorted(args.sources) != sorted(SLUGS) else ""
+        f" --sources {' '.join(args.sources)}" if some_sources else ""
     )
     name = "real_logs_auc" + (f"_mc{args.mc_weight:g}".replace(".", "") if args.mc_weight else "")
-    if sorted(args.sources) != sorted(SLUGS):
+    if some_sources:
         name += "_" + "_".join(sorted(args.sources))
     title = "Real logs: value of the first state vs episode success" + (
         f", with CQL's Monte-Carlo auxiliary loss (weight {args.mc_weight:g})" if args.mc_weight else ""

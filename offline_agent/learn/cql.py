@@ -263,16 +263,17 @@ def cql_loss(q_net: torch.nn.Module, target_net: torch.nn.Module, batch: Batch, 
     floor = batch.return_to_go if config.cal_ql else None
     penalty = conservative_penalty(q_data, q_cand, batch.cand_mask, floor)  # (K, B)
     cql = config.alpha * penalty.mean(1).sum()  # (K, B) -> ()
-    mc = torch.zeros(())
+    total, mc = td + cql, torch.zeros(())
     if config.mc_weight > 0:
         mc = config.mc_weight * monte_carlo_loss(q_data, batch.return_to_go).mean(1).sum()  # (K, B) -> ()
+        total = total + mc
     with torch.no_grad():
         q_min = q.min(0).values  # (K, B, 1 + C) -> (B, 1 + C)
         n_other = batch.cand_mask.sum()
         other_mean = (q_min[:, 1:] * batch.cand_mask).sum() / n_other.clamp(min=1)
         gap = float(q_min[:, 0].mean() - other_mean) if n_other > 0 else 0.0
     return CQLLoss(
-        total=td + cql + mc if config.mc_weight > 0 else td + cql,
+        total=total,
         td=float(td.detach()),
         cql=float(cql.detach()),
         mc=float(mc.detach()),
