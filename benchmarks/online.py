@@ -232,7 +232,6 @@ def runs_folder(cache: Path, sim: str, args: argparse.Namespace) -> Path:
 def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Namespace) -> dict:
     import polars as pl
 
-    from offline_agent.online.finetune import finetune
 
     common = dict(
         iterations=args.iterations, num_envs=args.num_envs, num_steps=args.num_steps, seed=args.seed, vector="sync",
@@ -256,9 +255,7 @@ def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
         folder = runs_folder(cache, sim, args) / name
         started = time.perf_counter()
         config = PPOConfig(**{**common, **settings})
-        if not (args.reuse and finished_run(folder, run, env, config, args.safety)):
-            finetune(run, env, folder, config, safety=args.safety, overwrite=True, progress=sys.stderr.isatty(),
-                     encoder_precision=args.encoder_precision)
+        train_unless_cached(folder, run, env, config, args, progress=sys.stderr.isatty())
         seconds = time.perf_counter() - started
         metrics = pl.read_parquet(folder / "metrics.parquet")
         evaluation = evaluate_run(folder, env, args.episodes, precision=args.encoder_precision)
@@ -278,18 +275,66 @@ def early_evals(sim: str, env: str, run: Path, cache: Path, args: argparse.Names
     iterations is the final policy of the same run cut at k: each is trained anew and evaluated like the
     offline policy (the sampled training episodes, 3-9 an iteration, are too few to see a 10-point dip).
     """
-    from offline_agent.online.finetune import finetune
-
     evals = {}
     for k in args.dip_iterations:
         folder = runs_folder(cache, sim, args) / f"finetune-{k}"
         config = config_type(**{**settings, "iterations": k})
-        if not (args.reuse and finished_run(folder, run, env, config, args.safety)):
-            finetune(run, env, folder, config, safety=args.safety, overwrite=True,
-                     encoder_precision=args.encoder_precision)
+        train_unless_cached(folder, run, env, config, args)
         evals[k] = evaluate_run(folder, env, args.episodes, precision=args.encoder_precision)
         print(f"[{sim}] after {k} iteration(s): {rate(*evals[k])}", flush=True)
     return evals
+
+
+def train_unless_cached(folder: Path, run: Path, env: str, config, args: argparse.Namespace,
+                        progress: bool = False) -> None:
+    """Fine-tune into `folder`, except under `--reuse`: a finished run of the same settings is kept, and one
+    that was stopped part-way (a killed benchmark) is resumed from its last checkpoint, exactly as if it had
+    not stopped (`finetune`'s resume is exact), instead of starting over."""
+    from offline_agent.online.finetune import finetune
+
+    if args.reuse and finished_run(folder, run, env, config, args.safety):
+        return
+    resume = args.reuse and interrupted_run(folder, run, env, config, args.safety)
+    finetune(run, env, folder, config, safety=args.safety, resume=resume, overwrite=not resume, progress=progress,
+             encoder_precision=args.encoder_precision)
+
+
+def same_settings(saved: dict, run: Path, env: str, config, safety: str | None) -> bool:
+    """Whether a run's saved identity (finetune.json or its resume state) names the same offline weights (by
+    hash: `--retrain` keeps the folder, not the weights), environment, safety rules and config."""
+    from dataclasses import asdict
+
+    from offline_agent.envs.safety import SafetyFilter
+    from offline_agent.online.finetune import file_sha256
+
+    return (
+        saved.get("source_weights_sha256") == file_sha256(run / "policy.safetensors")
+        and saved.get("env") == env
+        and saved.get("safety") == SafetyFilter.from_spec(safety).specs
+        and saved.get("config") == asdict(config)
+    )
+
+
+def interrupted_run(folder: Path, run: Path, env: str, config, safety: str | None) -> bool:
+    """Whether `folder` holds a run of exactly these settings that stopped before its end: a resume state
+    (written every few iterations) and no finetune.json (written at the end)."""
+    from safetensors import safe_open
+
+    from offline_agent.online.finetune import STATE_FILE, SUMMARY_FILE
+
+    state = folder / STATE_FILE
+    if (folder / SUMMARY_FILE).is_file() or not state.is_file():
+        return False
+    try:
+        with safe_open(str(state), framework="pt") as handle:
+            saved = json.loads((handle.metadata() or {})["state"])
+    except Exception:  # a state cut short by the kill itself: the run starts over
+        return False
+    if same_settings(saved, run, env, config, safety):
+        print(f"resuming {folder} after iteration {saved.get('iteration')} (stopped part-way, same settings)",
+              flush=True)
+        return True
+    return False
 
 
 def finished_run(folder: Path, run: Path, env: str, config, safety: str | None) -> bool:
@@ -297,21 +342,10 @@ def finished_run(folder: Path, run: Path, env: str, config, safety: str | None) 
     finetune.json names the same offline weights (by hash: `--retrain` keeps the folder, not the weights),
     environment, safety rules and config. A run is deterministic, so training it again would give the same
     policy."""
-    from dataclasses import asdict
-
-    from offline_agent.envs.safety import SafetyFilter
-    from offline_agent.online.finetune import file_sha256
-
     summary = folder / "finetune.json"
     if not (summary.is_file() and (folder / "policy.json").is_file()):
         return False
-    saved = json.loads(summary.read_text())
-    same = (
-        saved.get("source_weights_sha256") == file_sha256(run / "policy.safetensors")
-        and saved.get("env") == env
-        and saved.get("safety") == SafetyFilter.from_spec(safety).specs
-        and saved.get("config") == asdict(config)
-    )
+    same = same_settings(json.loads(summary.read_text()), run, env, config, safety)
     if same:
         print(f"reusing {folder} (finished, same settings)", flush=True)
     return same

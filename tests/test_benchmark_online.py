@@ -1,11 +1,15 @@
 """The online benchmark keeps every variant's runs apart: a run with other settings never reuses or overwrites
-another's cache or results table (an earlier version wrote a second target KL into the default run's folder)."""
+another's cache or results table (an earlier version wrote a second target KL into the default run's folder), and
+`--reuse` keeps a finished run and resumes a stopped one."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
 from pathlib import Path
 
 import polars as pl
+import pytest
 
 from benchmarks.online import first_validated, parse_args, runs_folder, variant
 
@@ -118,7 +122,6 @@ def test_seeds_table_pools_the_seeds_episodes_and_finds_the_worst_dip():
 
 
 def test_a_seed_that_has_not_finished_is_shown_as_not_run_and_left_out_of_the_pooled_rate(tmp_path):
-    import json
 
     from benchmarks.online_seeds import seeds_row
 
@@ -138,3 +141,44 @@ def test_a_seed_that_has_not_finished_is_shown_as_not_run_and_left_out_of_the_po
     assert row[2].startswith("0.95 (") and row[3] == "not run" and row[4].startswith("0.90 (")
     assert row[5].startswith("0.925 (")  # (190 + 180) / 400
     assert row[6] == "0.105 / 0.200" and row[7] == "0.85 -> 0.80 after 1: no"
+
+
+def test_reuse_resumes_a_run_stopped_part_way_to_the_policy_an_uninterrupted_run_gives(tmp_path):
+    import argparse
+
+    import online_envs
+    import torch
+
+    from benchmarks.online import interrupted_run, train_unless_cached
+    from offline_agent.online.config import PPOConfig
+    from offline_agent.online.finetune import SUMMARY_FILE, finetune
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_3(row):
+        if row["iteration"] == 3:  # before iteration 3's checkpoint: the saved state is iteration 2's
+            raise Stop
+
+    run = online_envs.tiny_checkpoint(tmp_path / "run", online_envs.tiny_encoder_folder(tmp_path / "encoder"))
+    env, threads = "online_envs:make_widget", torch.get_num_threads()
+    config = PPOConfig(iterations=4, num_envs=2, num_steps=8, vector="sync", beta=0.01, checkpoint_every=1,
+                       validation_episodes=0)
+    args = argparse.Namespace(reuse=True, safety=None, encoder_precision="fp32")
+    try:
+        finetune(run, env, tmp_path / "whole", config, encoder_precision="fp32")
+        with pytest.raises(Stop):
+            finetune(run, env, tmp_path / "stopped", config, encoder_precision="fp32", on_iteration=stop_after_3)
+        assert not (tmp_path / "stopped" / SUMMARY_FILE).exists()
+        assert not interrupted_run(tmp_path / "stopped", run, env, replace(config, seed=1), None)
+        assert interrupted_run(tmp_path / "stopped", run, env, config, None)
+
+        train_unless_cached(tmp_path / "stopped", run, env, config, args)
+    finally:
+        torch.set_num_threads(threads)
+    summary = json.loads((tmp_path / "stopped" / SUMMARY_FILE).read_text())
+    assert summary["resumed_from"] == 2
+    assert (tmp_path / "stopped" / "policy.safetensors").read_bytes() == (
+        tmp_path / "whole" / "policy.safetensors"
+    ).read_bytes()
+    assert not interrupted_run(tmp_path / "stopped", run, env, config, None)  # finished now: --reuse keeps it
