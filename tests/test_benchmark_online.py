@@ -122,7 +122,6 @@ def test_seeds_table_pools_the_seeds_episodes_and_finds_the_worst_dip():
 
 
 def test_a_seed_that_has_not_finished_is_shown_as_not_run_and_left_out_of_the_pooled_rate(tmp_path):
-
     from benchmarks.online_seeds import seeds_row
 
     args = ["--cache", str(tmp_path), "--tau", "0.2"]
