@@ -374,6 +374,14 @@ def training_minutes(folder: Path) -> float:
     return seconds / 60
 
 
+def resumed_runs(folder: Path) -> int:
+    """How many of a simulator's runs were resumed after a stop: their finetune.json counts only the time after
+    it, so `training_minutes` undercounts them."""
+    return sum(
+        json.loads(summary.read_text()).get("resumed_from") is not None for summary in folder.glob("*/finetune.json")
+    )
+
+
 def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
     ft, scratch = runs["finetune"]["metrics"], runs.get("scratch", {}).get("metrics")
     start = offline[0] / offline[1]
@@ -524,6 +532,8 @@ def main() -> None:
         (cache / f"minutes{tag}.json").write_text(json.dumps(minutes) + "\n")
     if args.tables_only and (cache / f"minutes{tag}.json").is_file():
         minutes = json.loads((cache / f"minutes{tag}.json").read_text())
+    resumed = sum(resumed_runs(runs_folder(cache, sim, args)) for sim in args.sims)
+    resumed_note = f" ({resumed} run(s) resumed after a stop count only the time after it)" if resumed else ""
 
     fine_lr = PPOConfig(policy_init=args.policy_init, learning_rate=args.learning_rate).learning_rate
     table = (
@@ -563,7 +573,7 @@ def main() -> None:
         + f". Encoder: packaged all-MiniLM-L6-v2 ({args.encoder_precision} in rollouts and evaluations), "
         f"{args.threads} torch thread(s). "
         f"Wall time of the last invocation: {minutes:.1f} min; the online runs' own training times add up to "
-        f"{sum(training_minutes(runs_folder(cache, sim, args)) for sim in args.sims):.1f} min. "
+        f"{sum(training_minutes(runs_folder(cache, sim, args)) for sim in args.sims):.1f} min{resumed_note}. "
         "At the rollout rates of the throughput table (MiniLM encodes every new state "
         "text on CPU) "
         "a run of 12k env steps takes about a quarter of an hour on one core, so each simulator's runs take the "
