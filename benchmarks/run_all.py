@@ -45,7 +45,7 @@ def logs800(
 #: `benchmarks/online.py` arguments. One seed's three simulators run side by side on 2 cores in about 80 minutes
 #: (`--sims` one each, then `--tables-only`).
 RECIPE_ARGS = [
-    "--logs", "800", "--cql-steps", "2000", "--tau", "0.3", "--subgoal-shaping", "1", "--self-imitation", "1",
+    "--logs", "800", "--cql-steps", "2000", "--tau", "0.2", "--subgoal-shaping", "1", "--self-imitation", "1",
     "--validation-episodes", "32", "--validation-keep", "guard", "--target-kl", "0.1", "--iterations", "48",
     "--no-scratch", "--threads", "1", "--dip-iterations", "1", "2", "--encoder-precision", "bf16",
 ]
@@ -83,10 +83,10 @@ BENCHMARKS = [
     # Whether evaluate's FQE interval covers the value the policy gets in the simulator (150 and 800 logs).
     ("fqe_coverage", "fqe_coverage.py", []),
     RECIPE,
-    # The recipe at a colder temperature, the candidate for the default (Logistics' sampled episodes succeed more).
-    ("online_tau02", "online_seeds.py",
-     ["--name", "online_tau02", "--title", "Online fine-tuning with the default recipe at tau 0.2 instead of 0.3",
-      "--seeds", "0", "1", "2", "--", *with_option(RECIPE_ARGS, "--tau", "0.2"), "--episodes", "200"]),
+    # The recipe at tau 0.3, the default before 0.2 (Logistics fell just short of 95% there).
+    ("online_tau03", "online_seeds.py",
+     ["--name", "online_tau03", "--title", "Online fine-tuning with the default recipe at tau 0.3 instead of 0.2",
+      "--seeds", "0", "1", "2", "--", *with_option(RECIPE_ARGS, "--tau", "0.3"), "--episodes", "200"]),
     # Plain PPO + KL from the bundled 100 logs, with PPO from scratch beside it and the rollout throughput.
     ("online", "online.py", []),
     ("rollout_speed", "rollout_speed.py", []),

@@ -411,7 +411,7 @@ def finetune_command(
         None, "--value-learning-rate", help="Adam learning rate of the value head [default: PPOConfig's]"
     ),
     tau: float = typer.Option(
-        0.3, "--tau",
+        0.2, "--tau",
         help="temperature of the fine-tuned and reference policy softmax(Q / tau) (CQL trains at 0.1): a warmer one "
         "keeps greedy play and lets PPO sample alternatives, where sampled episodes still succeed (docs/finetuning.md)",
     ),

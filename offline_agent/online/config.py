@@ -65,12 +65,15 @@ METRICS = (
     "time/steps_per_second",
 )
 #: The default recipe (`benchmarks/results/online_recipe.md`, the one setting that held on all three simulators: over
-#: three seeds and 200 episodes each, 1.000, 0.948 and 0.965 greedy success pooled, the KL within 2x its target):
-#: 48 iterations of 8 envs x 64 steps, target KL 0.1, tau 0.3, sub-goal shaping 1, self-imitation 1, the policy kept
-#: by a guard of 32 validation episodes. Each part's own runs: shaping and self-imitation in losses.py and
-#: self_imitation.py, the guard in validation.py, tau above, the KL control in kl.py.
+#: three seeds and 200 episodes each, at least 0.95 greedy success pooled on every simulator, the KL within 2x its
+#: target): 48 iterations of 8 envs x 64 steps, target KL 0.1, tau 0.2, sub-goal shaping 1, self-imitation 1, the
+#: policy kept by a guard of 32 validation episodes. Each part's own runs: shaping and self-imitation in losses.py
+#: and self_imitation.py, the guard in validation.py, the KL control in kl.py. Tau 0.2 rather than 0.3
+#: (`benchmarks/results/online_tau03.md`): at 0.3 Logistics' sampled episodes succeed 10-57% of the time while
+#: its greedy policy validates at ~0.9, so PPO rarely samples the greedy policy's own loops; at 0.2, 40-80%, and
+#: Logistics passes 95% (0.948 -> 0.965 pooled) with the other two unchanged within their intervals.
 DEFAULT_TARGET_KL = 0.1
-DEFAULT_TAU = 0.3
+DEFAULT_TAU = 0.2
 #: A copy of the offline Q network is steep (logits = Q / tau); a residual correction is in logit units.
 DEFAULT_LEARNING_RATES = {"residual": 1e-3, "copy": 1e-5}
 
