@@ -23,7 +23,7 @@ DROP = {"name": "drop_table", "arguments": {"table": "widgets"}}
 SORRY = "sorry, I cannot help with that"
 
 #: Plain PPO + KL at the checkpoint's temperature: none of the default recipe's extras (shaping, self-imitation,
-#: the validation guard, tau 0.3), for tests of one mechanism at a time. Tests that pin the old numbers also
+#: the validation guard, tau 0.2), for tests of one mechanism at a time. Tests that pin the old numbers also
 #: pass the old target KL (0.05) and learning rate (3e-3) where those matter.
 PLAIN = {
     "tau": None, "subgoal_shaping": 0.0, "self_imitation": 0.0, "validation_episodes": 0, "validation_keep": "best",

@@ -248,7 +248,7 @@ def test_the_command_line_passes_threads_learning_rates_and_the_policy_settings_
     config = json.loads((tmp_path / "copy" / "policy.json").read_text())["config"]
     assert config["policy_init"] == "copy" and config["kl_gradient"] is False and config["learning_rate"] == 1e-5
     assert config["subgoal_shaping"] == 1.0 and config["self_imitation"] == 1.0  # the default recipe's
-    assert config["validation_episodes"] == 32 and config["validation_keep"] == "guard" and config["tau"] == 0.3
+    assert config["validation_episodes"] == 32 and config["validation_keep"] == "guard" and config["tau"] == 0.2
 
 
 def test_tau_is_the_temperature_the_fine_tuned_policy_is_saved_and_played_with(tiny, tmp_path):
@@ -264,7 +264,7 @@ def test_tau_is_the_temperature_the_fine_tuned_policy_is_saved_and_played_with(t
     result = _invoke(str(tiny["run"]), "--env", WIDGET, "--out", str(tmp_path / "plain"), *FAST, "--iterations", "1")
     assert result.exit_code == 0, result.output
     meta = json.loads((tmp_path / "plain" / "policy.json").read_text())
-    assert meta["config"]["tau"] == 0.3 and meta["tau"] == 0.3  # without --tau, the default recipe's
+    assert meta["config"]["tau"] == 0.2 and meta["tau"] == 0.2  # without --tau, the default recipe's
 
 
 def test_a_checkpoint_from_before_the_value_learning_rate_resumes_as_it_would_have(tiny, tmp_path):
