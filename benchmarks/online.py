@@ -232,7 +232,6 @@ def runs_folder(cache: Path, sim: str, args: argparse.Namespace) -> Path:
 def online_runs(sim: str, env: str, run: Path, cache: Path, args: argparse.Namespace) -> dict:
     import polars as pl
 
-
     common = dict(
         iterations=args.iterations, num_envs=args.num_envs, num_steps=args.num_steps, seed=args.seed, vector="sync",
         torch_threads=args.threads,
@@ -479,7 +478,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-scratch", action="store_true", help="skip the PPO-from-scratch baseline")
     parser.add_argument("--reuse", action="store_true",
                         help="keep a cached fine-tuning run whose settings match (runs are deterministic) instead of "
-                        "training it again; it is still evaluated")
+                        "training it again, and resume one of them that was stopped part-way; it is still evaluated")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (this machine has 2 cores)")
     parser.add_argument("--no-write", action="store_true", help="print the tables only")
     parser.add_argument(
