@@ -80,9 +80,16 @@ def run_row(sim: str, logs: int, args: argparse.Namespace) -> dict:
 
 
 def table_row(row: dict) -> list[object]:
+    from offline_agent.evaluate import FEW_EPISODES, LOW_COVERAGE
+
     low, high = row["fqe_ci95"]
     t_low, t_high = row["true_ci95"]
-    trusted = "yes" if row["coverage"] >= 0.5 else "no (coverage < 0.5)"
+    doubts = []  # evaluate's own warnings, in its words
+    if row["coverage"] < LOW_COVERAGE:
+        doubts.append(f"coverage < {LOW_COVERAGE}")
+    if row["test_episodes"] < FEW_EPISODES:
+        doubts.append(f"test episodes < {FEW_EPISODES}")
+    trusted = f"no ({', '.join(doubts)})" if doubts else "yes"
     return [
         row["sim"], row["logs"], row["test_episodes"], f"{row['fqe']:.3f} [{low:.3f}, {high:.3f}]",
         f"{row['true']:.3f} [{t_low:.3f}, {t_high:.3f}]", "yes" if covers(low, high, row["true"]) else "**no**",
@@ -122,7 +129,8 @@ def main() -> None:
         f"FQE ({args.fqe_runs} fits) on the dataset's test split, with its bootstrap 95% interval, against the "
         f"same greedy policy's mean discounted return over {args.episodes} simulated episodes (95% normal "
         f"interval; seeds from {EVAL_SEED}). Coverage: the share of the policy's test-split choices logged in one "
-        "of the 10 most similar states; below 0.5 `evaluate` says not to trust the value.\n\n"
+        "of the 10 most similar states; below 0.5, or with a test split of fewer than 50 episodes, `evaluate` says "
+        "not to trust the value.\n\n"
         + markdown_table(
             ["simulator", "logs", "test episodes", "FQE [95% interval]", "simulated [95% interval]", "covers",
              "coverage", "trusted by evaluate", "behaviour (test logs)"],
@@ -132,7 +140,7 @@ def main() -> None:
         + ("" if args.tables_only else f" Wall time {(time.perf_counter() - started) / 60:.1f} min.")
     )
     write_result("fqe_coverage", "Off-policy evaluation: does the FQE interval cover the true value?", table,
-                 " ".join(["python benchmarks/fqe_coverage.py", *sys.argv[1:]]))
+                 " ".join(["python benchmarks/fqe_coverage.py", *(a for a in sys.argv[1:] if a != "--tables-only")]))
 
 
 if __name__ == "__main__":

@@ -669,7 +669,7 @@ def evaluate_command(
 
 
 def _fqe_summary(f: dict) -> str:
-    from offline_agent.evaluate import LOW_COVERAGE
+    from offline_agent.evaluate import FEW_EPISODES, LOW_COVERAGE
 
     low, high = f["fqe_ci95"]
     line = (
@@ -680,6 +680,9 @@ def _fqe_summary(f: dict) -> str:
     )
     if f["coverage"] < LOW_COVERAGE:
         line += ": low, FQE extrapolates to actions the logs rarely show there, so do not trust the value"
+    if f["episodes"] < FEW_EPISODES:
+        line += (f"; only {f['episodes']} held-out episodes (fewer than {FEW_EPISODES}): FQE's value from so few is "
+                 "not one to act on, whatever the interval says")
     return line
 
 

@@ -188,3 +188,18 @@ def test_bad_input_is_one_line_and_exit_code_2(args, message, dataset, tmp_path)
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
     assert len([line for line in result.stderr.splitlines() if line.strip()]) == 1
+
+
+def test_the_fqe_summary_warns_on_low_coverage_and_on_a_small_test_split():
+    from offline_agent.cli import _fqe_summary
+
+    def summary(coverage, episodes):
+        return _fqe_summary({"episodes": episodes, "dataset": "data/x", "split": "test", "fqe_value": 0.5,
+                             "fqe_ci95": [0.4, 0.6], "fqe_runs": 3, "behaviour_value": 0.3, "gamma": 0.99,
+                             "coverage": coverage, "coverage_k": 10})
+
+    assert "do not trust" not in summary(0.85, 73) and "held-out episodes (fewer" not in summary(0.85, 73)
+    assert "do not trust the value" in summary(0.45, 73)
+    few = summary(0.75, 16)  # PipelineRepair from 150 logs: well covered, and 0.37 off the simulated value
+    assert "do not trust" not in few and "only 16 held-out episodes (fewer than 50)" in few
+    assert "do not trust" in summary(0.34, 16) and "only 16 held-out episodes" in summary(0.34, 16)
