@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import shlex
+import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
@@ -33,6 +35,12 @@ def write_result(name: str, title: str, table: str, command: str) -> Path:
     path.write_text(text)
     print(text)
     return path
+
+
+def reproduce_command(script: str, leave_out: tuple[str, ...] = ("--tables-only",)) -> str:
+    """The command line that ran `script`, quoted for a shell, without the flags in `leave_out` (those that
+    only reuse a cache: the reproduced run must measure anew)."""
+    return shlex.join(["python", f"benchmarks/{script}", *(a for a in sys.argv[1:] if a not in leave_out)])
 
 
 def markdown_table(header: list[str], rows: list[list[object]]) -> str:

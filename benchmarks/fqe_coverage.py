@@ -31,7 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
+from benchmarks.common import BEHAVIOUR, markdown_table, reproduce_command, write_result  # noqa: E402
 from benchmarks.online import SIMS, offline_folder, offline_stage  # noqa: E402
 
 EVAL_SEED = 3000  # simulated episodes never used in the logs (seed 0) or the other benchmarks' evaluations
@@ -140,7 +140,7 @@ def main() -> None:
         + ("" if args.tables_only else f" Wall time {(time.perf_counter() - started) / 60:.1f} min.")
     )
     write_result("fqe_coverage", "Off-policy evaluation: does the FQE interval cover the true value?", table,
-                 " ".join(["python benchmarks/fqe_coverage.py", *(a for a in sys.argv[1:] if a != "--tables-only")]))
+                 reproduce_command("fqe_coverage.py"))
 
 
 if __name__ == "__main__":

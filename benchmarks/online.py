@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import BEHAVIOUR, markdown_table, write_result  # noqa: E402
+from benchmarks.common import BEHAVIOUR, markdown_table, reproduce_command, write_result  # noqa: E402
 from benchmarks.rollout_speed import ENV, ROLLOUT_HEADER, rollout_note  # noqa: E402
 from offline_agent.online.config import PPOConfig  # noqa: E402
 from offline_agent.online.validation import KEEP_RULES  # noqa: E402
@@ -594,9 +594,7 @@ def main() -> None:
             + "\n\n" + rollout_note(args.throughput_steps).replace(ENV, SIMS[args.sims[0]])
             + " `python benchmarks/rollout_speed.py` measures it alone, with the encoder's own speed."
         )
-    command = "python benchmarks/online.py " + " ".join(
-        f"'{a}'" if ";" in a or " " in a else a for a in sys.argv[1:] if a not in ("--tables-only", "--reuse")
-    )
+    command = reproduce_command("online.py", leave_out=("--tables-only", "--reuse"))
     if args.no_write:
         print(table)
     else:

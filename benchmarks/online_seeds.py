@@ -19,13 +19,12 @@ which a `--tables-only` call writes the whole table.
 from __future__ import annotations
 
 import argparse
-import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.common import markdown_table, reproduce_command, write_result  # noqa: E402
 from benchmarks.online import cached_runs, parse_args, rate, runs_folder, variant  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -117,8 +116,7 @@ def main() -> None:
         f"after {', '.join(map(str, settings.dip_iterations))} iteration(s) against the offline policy. Each "
         f"seed's settings, timings and steps to 95% are in its own table: {per_seed}."
     )
-    command = "python benchmarks/online_seeds.py " + shlex.join(a for a in sys.argv[1:] if a != "--tables-only")
-    write_result(args.name, args.title, table, command)
+    write_result(args.name, args.title, table, reproduce_command("online_seeds.py"))
 
 
 if __name__ == "__main__":
