@@ -80,16 +80,12 @@ def run_row(sim: str, logs: int, args: argparse.Namespace) -> dict:
 
 
 def table_row(row: dict) -> list[object]:
-    from offline_agent.evaluate import FEW_EPISODES, LOW_COVERAGE
+    from offline_agent.evaluate import fqe_doubts
 
     low, high = row["fqe_ci95"]
     t_low, t_high = row["true_ci95"]
-    doubts = []  # evaluate's own warnings, in its words
-    if row["coverage"] < LOW_COVERAGE:
-        doubts.append(f"coverage < {LOW_COVERAGE}")
-    if row["test_episodes"] < FEW_EPISODES:
-        doubts.append(f"test episodes < {FEW_EPISODES}")
-    trusted = f"no ({', '.join(doubts)})" if doubts else "yes"
+    doubts = [d.split(":")[0] for d in fqe_doubts(row["coverage"], row["test_episodes"])]  # evaluate's words
+    trusted = f"no: {'; '.join(doubts)}" if doubts else "yes"
     return [
         row["sim"], row["logs"], row["test_episodes"], f"{row['fqe']:.3f} [{low:.3f}, {high:.3f}]",
         f"{row['true']:.3f} [{t_low:.3f}, {t_high:.3f}]", "yes" if covers(low, high, row["true"]) else "**no**",

@@ -669,7 +669,7 @@ def evaluate_command(
 
 
 def _fqe_summary(f: dict) -> str:
-    from offline_agent.evaluate import FEW_EPISODES, LOW_COVERAGE
+    from offline_agent.evaluate import fqe_doubts
 
     low, high = f["fqe_ci95"]
     line = (
@@ -678,12 +678,8 @@ def _fqe_summary(f: dict) -> str:
         f"for the logged behaviour (gamma {f['gamma']}); coverage {f['coverage']:.2f} of the policy's choices "
         f"logged in one of the {f['coverage_k']} most similar states"
     )
-    if f["coverage"] < LOW_COVERAGE:
-        line += ": low, FQE extrapolates to actions the logs rarely show there, so do not trust the value"
-    if f["episodes"] < FEW_EPISODES:
-        line += (f"; only {f['episodes']} held-out episodes (fewer than {FEW_EPISODES}): FQE's value from so few is "
-                 "not one to act on, whatever the interval says")
-    return line
+    doubts = fqe_doubts(f["coverage"], f["episodes"])
+    return line + (f". Do not act on this value: {'; '.join(doubts)}" if doubts else "")
 
 
 @app.command("advise")

@@ -6,7 +6,9 @@ each shown when its inputs exist and otherwise a short "not run" note:
 histogram), `training` (curves of an offline run's `metrics.parquet` against
 `step`), `online` (curves of a fine-tune run's `metrics.parquet` against
 `iteration` or `env_steps`) and `evaluation` (one row per object in an
-`eval*.json`, or in any JSON file of an `eval/` folder). A run is any folder
+`eval*.json`, or in any JSON file of an `eval/` folder; an object with an
+`fqe` one, as `evaluate --dataset --json` writes, is also a row of the
+off-policy table, with evaluate's reasons not to act on it). A run is any folder
 under RUN with `metrics.parquet`, `policy.json`, `train.json` or
 `finetune.json`; the dataset is `--dataset`, else the one the runs' configs
 name, else a dataset folder inside RUN. The page embeds its plots as base64 PNG
@@ -350,18 +352,63 @@ def eval_row(record: dict[str, Any], path: Path, label: str) -> EvalRow:
     )
 
 
-def read_evaluations(paths: Sequence[Path], root: Path) -> tuple[list[EvalRow], list[str]]:
-    """(rows, notes): one row per evaluation object (a file holds one object or a list of them)."""
-    rows, notes = [], []
+@dataclass(frozen=True)
+class OffPolicyRow:
+    """One policy's FQE estimate on held-out logs (`evaluate --dataset --json`'s "fqe" object)."""
+
+    policy: str
+    dataset: str | None
+    value: float | None
+    ci95: tuple[float, float] | None
+    behaviour: float | None
+    coverage: float | None
+    episodes: int | None
+    doubts: tuple[str, ...] | None  # evaluate's reasons not to act on the value; None where the file has none
+    source: str
+
+
+def off_policy_row(record: dict[str, Any], path: Path, label: str) -> OffPolicyRow:
+    fqe = record["fqe"]
+    episodes, doubts = _number(fqe.get("episodes")), fqe.get("doubts")
+    return OffPolicyRow(
+        policy=_policy_name(fqe, path),
+        dataset=fqe.get("dataset") if isinstance(fqe.get("dataset"), str) else None,
+        value=_number(fqe.get("fqe_value")),
+        ci95=_interval(fqe.get("fqe_ci95")),
+        behaviour=_number(fqe.get("behaviour_value")),
+        coverage=_number(fqe.get("coverage")),
+        episodes=int(episodes) if episodes is not None else None,
+        doubts=tuple(str(d) for d in doubts) if isinstance(doubts, list) else None,
+        source=label,
+    )
+
+
+@dataclass
+class Evaluations:
+    """What the evaluation files hold: simulated rows, off-policy rows, and notes on files skipped."""
+
+    rows: list[EvalRow] = field(default_factory=list)
+    off_policy: list[OffPolicyRow] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def read_evaluations(paths: Sequence[Path], root: Path) -> Evaluations:
+    """One row per evaluation object (a file holds one object or a list of them): a simulated row where it has
+    a success_rate, an off-policy row where it has an "fqe" object, both where it has both."""
+    found = Evaluations()
     for path in paths:
         label = path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
         value = read_json(path)
-        records = value if isinstance(value, list) else [value]
-        usable = [r for r in records if isinstance(r, dict) and "success_rate" in r]
-        if not usable:
-            notes.append(f"skipped {label}: not an evaluation (a JSON object with success_rate, ci95, ...)")
-        rows.extend(eval_row(r, path, label) for r in usable)
-    return rows, notes
+        records = [r for r in (value if isinstance(value, list) else [value]) if isinstance(r, dict)]
+        simulated = [r for r in records if "success_rate" in r]
+        off_policy = [r for r in records if isinstance(r.get("fqe"), dict)]
+        if not simulated and not off_policy:
+            found.notes.append(
+                f"skipped {label}: not an evaluation (a JSON object with success_rate, ci95, ... or an fqe object)"
+            )
+        found.rows.extend(eval_row(r, path, label) for r in simulated)
+        found.off_policy.extend(off_policy_row(r, path, label) for r in off_policy)
+    return found
 
 
 # --- figures -----------------------------------------------------------------------------------------------
@@ -536,11 +583,11 @@ def online_section(runs: Sequence[Curves], notes: Sequence[str] = ()) -> str:
     )
 
 
-def evaluation_section(rows: Sequence[EvalRow], notes: Sequence[str] = ()) -> str:
-    if not rows and not notes:
+def evaluation_section(found: Evaluations) -> str:
+    if not found.rows and not found.off_policy and not found.notes:
         return not_run("evaluation", "Evaluation", "no eval*.json files")
     parts = []
-    if rows:
+    if found.rows:
         parts.append(
             table_html(
                 ["policy", "env", "success rate", "95% interval", "mean return", "mean steps", "episodes", "file"],
@@ -549,19 +596,47 @@ def evaluation_section(rows: Sequence[EvalRow], notes: Sequence[str] = ()) -> st
                         r.policy,
                         r.env,
                         r.success_rate,
-                        f"{r.ci95[0]:.3f} - {r.ci95[1]:.3f}" if r.ci95 else None,
+                        _interval_text(r.ci95),
                         r.mean_return,
                         r.mean_steps,
                         r.episodes,
                         r.source,
                     )
-                    for r in rows
+                    for r in found.rows
                 ),
                 [False, False, True, True, True, True, True, False],
             )
         )
-    parts.extend(note(n) for n in notes)
+    if found.off_policy:
+        parts.append("<h3>Off-policy estimates (FQE on held-out logs)</h3>")
+        parts.append(
+            table_html(
+                ["policy", "dataset", "FQE value", "95% interval", "logged behaviour", "coverage",
+                 "held-out episodes", "act on it?", "file"],
+                (
+                    (r.policy, r.dataset, r.value, _interval_text(r.ci95), r.behaviour, r.coverage, r.episodes,
+                     _trust_text(r.doubts), r.source)
+                    for r in found.off_policy
+                ),
+                [False, False, True, True, True, True, True, False, False],
+            )
+        )
+        parts.append(note(
+            "FQE values are discounted returns estimated from the logs alone; the simulated success rates above, "
+            "where there are any, are what the policy really did."
+        ))
+    parts.extend(note(n) for n in found.notes)
     return section("evaluation", "Evaluation", "\n".join(parts))
+
+
+def _interval_text(ci95: tuple[float, float] | None) -> str | None:
+    return f"{ci95[0]:.3f} - {ci95[1]:.3f}" if ci95 else None
+
+
+def _trust_text(doubts: tuple[str, ...] | None) -> str | None:
+    if doubts is None:
+        return None  # written before evaluate said why: shown as unknown
+    return "no: " + "; ".join(doubts) if doubts else "yes"
 
 
 def page_html(title: str, header_lines: Sequence[str], sections: Sequence[str]) -> str:
@@ -621,7 +696,7 @@ def build_report(inputs: ReportInputs) -> str:
     """The page's HTML from what `collect_inputs` found."""
     summary, returns, reason = dataset_inputs(inputs.dataset)
     offline, online, metric_notes = split_curves(inputs.runs)
-    rows, eval_notes = read_evaluations(inputs.eval_files, inputs.root)
+    evaluations = read_evaluations(inputs.eval_files, inputs.root)
     run_names = ", ".join(
         r.name + (f" ({r.config['algo']})" if isinstance(r.config.get("algo"), str) else "") for r in inputs.runs
     )
@@ -634,7 +709,7 @@ def build_report(inputs: ReportInputs) -> str:
         dataset_section(summary, returns, reason or inputs.dataset_note or ""),
         training_section(offline, metric_notes),
         online_section(online),
-        evaluation_section(rows, eval_notes),
+        evaluation_section(evaluations),
     ]
     return page_html(f"offline-agent report: {inputs.root.resolve().name}", header, sections)
 

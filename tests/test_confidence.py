@@ -51,3 +51,37 @@ def test_empty_inputs_are_errors():
         bootstrap_interval(np.zeros((2, 0)))
     with pytest.raises(ValueError, match="at least one state"):
         action_coverage(torch.zeros(0, 2), torch.zeros(0, dtype=torch.long), torch.eye(2), torch.tensor([0, 1]))
+
+
+def test_a_resample_takes_whole_episodes_as_often_as_they_are_drawn():
+    from offline_agent.learn.fqe import resample_episodes
+
+    episode_index = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])  # episode 2 is in another split: not in `rows`
+    rows = torch.tensor([0, 1, 2, 3, 4, 6, 7])
+    blocks = {0: [0, 1], 1: [2, 3, 4], 3: [6, 7]}
+    seen = set()
+    for seed in range(20):
+        drawn = resample_episodes(episode_index, rows, torch.Generator().manual_seed(seed))
+        counts = torch.bincount(drawn, minlength=8).tolist()
+        times = {e: counts[block[0]] for e, block in blocks.items()}
+        assert all(counts[r] == times[e] for e, block in blocks.items() for r in block)  # whole episodes
+        assert sum(times.values()) == 3 and counts[5] == 0  # as many draws as episodes, none from elsewhere
+        seen.add(tuple(times.values()))
+    assert (1, 1, 1) in seen and len(seen) > 3  # sometimes the split itself, mostly not
+
+
+def test_fqe_fits_on_resamples_differ_and_value_every_test_episode():
+    from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation
+    from offline_agent.learn.networks import QNetwork
+    from tests import learn_data
+
+    f = learn_data.color_lock_features()
+    torch.manual_seed(0)
+    net = QNetwork(f.dim, 16, n_heads=1)
+    common = dict(steps=60, batch_size=32, hidden=16, split="test", log_every=60)
+    whole = fitted_q_evaluation(f, net, FQEConfig(**common))
+    again = fitted_q_evaluation(f, net, FQEConfig(**common))
+    resampled = fitted_q_evaluation(f, net, FQEConfig(**common, resample=True))
+    assert torch.equal(whole.episode_values, again.episode_values)  # the split alone: the seed decides
+    assert resampled.episode_values.shape == whole.episode_values.shape == (whole.episodes,)
+    assert not torch.equal(resampled.episode_values, whole.episode_values)

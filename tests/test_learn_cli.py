@@ -198,8 +198,12 @@ def test_the_fqe_summary_warns_on_low_coverage_and_on_a_small_test_split():
                              "fqe_ci95": [0.4, 0.6], "fqe_runs": 3, "behaviour_value": 0.3, "gamma": 0.99,
                              "coverage": coverage, "coverage_k": 10})
 
-    assert "do not trust" not in summary(0.85, 73) and "held-out episodes (fewer" not in summary(0.85, 73)
-    assert "do not trust the value" in summary(0.45, 73)
+    assert "Do not act" not in summary(0.85, 73)
+    low = summary(0.45, 73)
+    assert low.endswith("Do not act on this value: coverage 0.45 < 0.5: FQE extrapolates to actions the logs "
+                        "rarely show there")
     few = summary(0.75, 16)  # PipelineRepair from 150 logs: well covered, and 0.37 off the simulated value
-    assert "do not trust" not in few and "only 16 held-out episodes (fewer than 50)" in few
-    assert "do not trust" in summary(0.34, 16) and "only 16 held-out episodes" in summary(0.34, 16)
+    assert few.endswith("Do not act on this value: only 16 held-out episodes (< 50): too few to act on, "
+                        "whatever the interval")
+    both = summary(0.34, 16)
+    assert "coverage 0.34 < 0.5" in both and "; only 16 held-out episodes" in both

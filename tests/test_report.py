@@ -305,3 +305,33 @@ def test_the_page_renders_in_headless_chromium(demo_page, tmp_path):
     assert pixels.shape[:2] == (4000, 1280)
     assert pixels[..., :3].std() > 0.05  # a blank (all-white) page has none
     assert len({tuple(p) for p in pixels[:1200:7, ::7, :3].reshape(-1, 3).round(2)}) > 20  # text and plots
+
+
+def test_fqe_estimates_get_their_own_table_with_evaluates_reasons_not_to_act_on_them(tmp_path):
+    from offline_agent.evaluate import OffPolicyReport
+
+    def fqe(coverage, episodes):
+        return OffPolicyReport(policy="cql (runs/cql)", dataset="data/logs", split="test", episodes=episodes,
+                               fqe_value=0.625, behaviour_value=0.592, gamma=0.99, fqe_ci95=(0.522, 0.715),
+                               fqe_runs=3, coverage=coverage).to_dict()
+
+    (tmp_path / "eval").mkdir()
+    # `evaluate --env --dataset --json` (both), `evaluate --dataset --json` (FQE only), and a file from before
+    # evaluate wrote its doubts.
+    both = {"policy": "cql (runs/cql)", "success_rate": 0.4, "ci95": [0.3, 0.5], "episodes": 100,
+            "fqe": fqe(0.34, 16)}
+    (tmp_path / "eval" / "cql.json").write_text(json.dumps(both))
+    (tmp_path / "eval" / "cql-800.json").write_text(json.dumps({"fqe": fqe(0.85, 73)}))
+    old = fqe(0.85, 73)
+    del old["doubts"]
+    (tmp_path / "eval" / "old.json").write_text(json.dumps({"fqe": old}))
+    evaluation = section_html(report.write_report(tmp_path).read_text(), "evaluation")
+    simulated, off_policy = evaluation.split("Off-policy estimates (FQE on held-out logs)")
+    assert simulated.count("<tr>") == 2 and "0.300 - 0.500" in simulated  # header + the one simulated row
+    assert off_policy.count("<tr>") == 4 and off_policy.count("0.522 - 0.715") == 3
+    rows = {re.search(r"<td>(eval/[^<]+)</td>", row)[1]: row for row in off_policy.split("<tr>")[2:]}
+    doubted = rows["eval/cql.json"]
+    assert "<td>no: coverage 0.34 &lt; 0.5: FQE extrapolates" in doubted and "only 16 held-out episodes" in doubted
+    assert "<td>yes</td>" in rows["eval/cql-800.json"]
+    assert "<td>-</td>" in rows["eval/old.json"]  # unknown, not "yes"
+    assert "skipped" not in evaluation

@@ -11,7 +11,10 @@ policy over each step's candidates (greedy by default, what `evaluate` plays;
 or softmax(Q / tau)); the candidates are the logged ones plus the logged
 action, or the whole vocabulary where the log has none. Run on the test split,
 it tells what a policy is worth before it meets a simulator or a user; the
-quality benchmark reports it next to the simulator's answer.
+quality benchmark reports it next to the simulator's answer. With `resample`,
+the fit sees a bootstrap resample of the split's episodes instead of the split
+(still valued at every first state of the split): fits on several resamples
+show how much the estimate owes to which episodes the split happened to hold.
 
 Dimension letters: B batch, C candidate slots, D embedding width, n rows of the split.
 """
@@ -45,6 +48,10 @@ class FQEConfig:
     )
     hidden: int = field(default=256, metadata={"help": "hidden width of the FQE Q network"})
     split: str = field(default="test", metadata={"help": "split of held-out episodes to evaluate on"})
+    resample: bool = field(
+        default=False,
+        metadata={"help": "fit on a bootstrap resample of the split's episodes (drawn with the seed), not the split"},
+    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=50, metadata={"help": "record metrics every N steps"})
@@ -135,6 +142,8 @@ def fitted_q_evaluation(
             f"the dataset has no episodes in its {config.split} split: FQE needs held-out episodes "
             "(ingest more logs, or pass another split)"
         )
+    if config.resample:
+        rows = resample_episodes(features.episode_index, rows, generator)
     # The policy is fixed: its distribution at every next state and every first state is computed once.
     nxt = features.next_index[rows]
     done = (features.terminated[rows] | (nxt < 0)).float()
@@ -171,6 +180,15 @@ def fitted_q_evaluation(
     values = _first_state_values(q_net, features, firsts, first_ids, first_mask, first_pi)
     behaviour = float(features.returns_to_go(config.gamma)[firsts].mean())
     return FQEResult(float(values.mean()), values, behaviour, int(firsts.numel()), history)
+
+
+def resample_episodes(episode_index: torch.Tensor, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A bootstrap resample of the episodes that `rows` (n,) belong to: as many episodes as there are, drawn
+    with replacement, each contributing all its rows once per draw. Returns the rows, repeated (m,)."""
+    episodes, of_row = torch.unique(episode_index[rows], return_inverse=True)  # (E,), (n,) into episodes
+    draws = torch.randint(episodes.numel(), (episodes.numel(),), generator=generator)  # (E,)
+    times = torch.bincount(draws, minlength=episodes.numel())  # (E,) how often each episode was drawn
+    return rows.repeat_interleave(times[of_row])
 
 
 @torch.no_grad()
