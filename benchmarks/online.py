@@ -317,16 +317,13 @@ def same_settings(saved: dict, run: Path, env: str, config, safety: str | None) 
 def interrupted_run(folder: Path, run: Path, env: str, config, safety: str | None) -> bool:
     """Whether `folder` holds a run of exactly these settings that stopped before its end: a resume state
     (written every few iterations) and no finetune.json (written at the end)."""
-    from safetensors import safe_open
-
-    from offline_agent.online.finetune import STATE_FILE, SUMMARY_FILE
+    from offline_agent.online.finetune import STATE_FILE, SUMMARY_FILE, read_state_metadata
 
     state = folder / STATE_FILE
     if (folder / SUMMARY_FILE).is_file() or not state.is_file():
         return False
     try:
-        with safe_open(str(state), framework="pt") as handle:
-            saved = json.loads((handle.metadata() or {})["state"])
+        saved = read_state_metadata(state)
     except Exception:  # a state cut short by the kill itself: the run starts over
         return False
     if same_settings(saved, run, env, config, safety):

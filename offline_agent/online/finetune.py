@@ -278,16 +278,22 @@ def save_state(
     os.replace(tmp, path)
 
 
+def read_state_metadata(path: Path) -> dict[str, Any]:
+    """The JSON half of `save_state`'s file (iteration, identity, config, ...) without loading its tensors.
+    Raises whatever safetensors or json raise on a file that is not one (e.g. cut short by a kill)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return json.loads((handle.metadata() or {})["state"])
+
+
 def load_state(
     path: Path, trainer: PPOTrainer, identity: dict[str, Any], selector: PolicySelector | None = None
 ) -> int:
     """Restore a trainer (and the run's policy selection) from `save_state`'s file; returns the iteration it
     had completed."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            state = json.loads((handle.metadata() or {})["state"])
+        state = read_state_metadata(path)
         tensors = load_file(str(path))
     except Exception as exc:
         raise UserError(f"{path} is not a readable fine-tuning checkpoint ({type(exc).__name__}): delete it") from None
