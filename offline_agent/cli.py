@@ -607,7 +607,9 @@ def evaluate_command(
     dataset: str | None = typer.Option(None, "--dataset", help="also estimate the value by FQE on its test split"),
     fqe_steps: int = typer.Option(1500, "--fqe-steps", help="FQE gradient steps"),
     fqe_runs: int = typer.Option(
-        3, "--fqe-runs", help="FQE fits (seeds SEED, SEED+1, ...): the interval covers the fit's noise too"
+        3, "--fqe-runs",
+        help="FQE fits (seeds SEED, SEED+1, ...), each on a bootstrap resample of the test episodes, so the "
+        "interval covers the fit's dependence on them too; 1 fits the test split itself",
     ),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
     encoder_precision: str = typer.Option(
