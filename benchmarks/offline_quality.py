@@ -36,10 +36,10 @@ ENVS = ["offline_agent/PipelineRepair-v0", "offline_agent/Logistics-v0", "offlin
 ALGOS = ["bc", "filtered-bc", "d3rlpy-cql", "cql-ungrounded", "cql-pairwise", "cql"]
 LABELS = {"bc": "BC", "filtered-bc": "filtered BC", "d3rlpy-cql": "d3rlpy DiscreteCQL", "cql": "CQL (ours)",
           "cql-ungrounded": "CQL without grounding", "cql-adapter": "CQL + trainable state adapter",
-          "cql-pairwise": "CQL, pairwise head"}
+          "cql-pairwise": "CQL, pairwise head", "cql-mc5": "CQL + Monte-Carlo loss (weight 5)"}
 #: Variants: a label of the table -> (algorithm, extra config settings).
 VARIANTS = {"cql-adapter": ("cql", {"state_adapter": True}), "cql-ungrounded": ("cql", {"grounding": False}),
-            "cql-pairwise": ("cql", {"head": "pairwise"})}
+            "cql-pairwise": ("cql", {"head": "pairwise"}), "cql-mc5": ("cql", {"mc_weight": 5.0})}
 EVAL_SEED = 10_000  # evaluation episodes use reset seeds derived from this, never the logs' seed 0
 BUDGETS = {
     "default": {"episodes": 150, "seeds": 3, "steps": 1200, "batch_size": 128, "hidden": 128, "eval_episodes": 50,
@@ -131,7 +131,7 @@ def main() -> None:
                         help="where logs, datasets and their embedding caches are kept between runs")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a shared box)")
     parser.add_argument("--with-adapter", action="store_true", help="also CQL with a trainable state adapter")
-    parser.add_argument("--algos", nargs="*", default=None, choices=[*ALGOS, "cql-adapter"],
+    parser.add_argument("--algos", nargs="*", default=None, choices=[*ALGOS, "cql-adapter", "cql-mc5"],
                         help="only these learners (a quick check; the table is written to a file of its own)")
     for name, value in BUDGETS["default"].items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value}")
