@@ -122,7 +122,8 @@ def main() -> None:
     covered = sum(covers(*r["fqe_ci95"], r["true"]) for r in rows)
     table = (
         f"CQL (library defaults, seed 0) trained on N logged episodes of `{BEHAVIOUR}`; `evaluate --dataset`'s "
-        f"FQE ({args.fqe_runs} fits) on the dataset's test split, with its bootstrap 95% interval, against the "
+        f"FQE ({args.fqe_runs} fits, each on a bootstrap resample of the test split's episodes) on the dataset's test "
+        "split, with its bootstrap 95% interval over the fits and the episodes, against the "
         f"same greedy policy's mean discounted return over {args.episodes} simulated episodes (95% normal "
         f"interval; seeds from {EVAL_SEED}). Coverage: the share of the policy's test-split choices logged in one "
         "of the 10 most similar states; below 0.5, or with a test split of fewer than 50 episodes, `evaluate` says "
@@ -136,7 +137,7 @@ def main() -> None:
         + ("" if args.tables_only else f" Wall time {(time.perf_counter() - started) / 60:.1f} min.")
     )
     write_result("fqe_coverage", "Off-policy evaluation: does the FQE interval cover the true value?", table,
-                 reproduce_command("fqe_coverage.py"))
+                 reproduce_command("fqe_coverage.py", leave_out=("--tables-only", "--reuse")))
 
 
 if __name__ == "__main__":
