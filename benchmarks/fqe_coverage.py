@@ -80,11 +80,11 @@ def run_row(sim: str, logs: int, args: argparse.Namespace) -> dict:
 
 
 def table_row(row: dict) -> list[object]:
-    from offline_agent.evaluate import fqe_doubts
+    from offline_agent.evaluate import fqe_doubt_reasons
 
     low, high = row["fqe_ci95"]
     t_low, t_high = row["true_ci95"]
-    doubts = [d.split(":")[0] for d in fqe_doubts(row["coverage"], row["test_episodes"])]  # evaluate's words
+    doubts = [fact for fact, _ in fqe_doubt_reasons(row["coverage"], row["test_episodes"])]  # evaluate's words
     trusted = f"no: {'; '.join(doubts)}" if doubts else "yes"
     return [
         row["sim"], row["logs"], row["test_episodes"], f"{row['fqe']:.3f} [{low:.3f}, {high:.3f}]",

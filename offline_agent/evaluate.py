@@ -239,16 +239,22 @@ LOW_COVERAGE = 0.5
 FEW_EPISODES = 50
 
 
+def fqe_doubt_reasons(coverage: float, episodes: int) -> list[tuple[str, str]]:
+    """Why an FQE value should not be acted on, as (the fact, what it means) pairs; empty when neither warning
+    applies. `fqe_doubts` words them for a user; a table can show the facts alone."""
+    reasons = []
+    if coverage < LOW_COVERAGE:
+        fact = f"coverage {coverage:.2f} < {LOW_COVERAGE}"
+        reasons.append((fact, "FQE extrapolates to actions the logs rarely show there"))
+    if episodes < FEW_EPISODES:
+        fact = f"only {episodes} held-out episodes (< {FEW_EPISODES})"
+        reasons.append((fact, "too few to act on, whatever the interval"))
+    return reasons
+
+
 def fqe_doubts(coverage: float, episodes: int) -> list[str]:
     """Why an FQE value should not be acted on, in the user's words; empty when neither warning applies."""
-    doubts = []
-    if coverage < LOW_COVERAGE:
-        doubts.append(
-            f"coverage {coverage:.2f} < {LOW_COVERAGE}: FQE extrapolates to actions the logs rarely show there"
-        )
-    if episodes < FEW_EPISODES:
-        doubts.append(f"only {episodes} held-out episodes (< {FEW_EPISODES}): too few to act on, whatever the interval")
-    return doubts
+    return [f"{fact}: {meaning}" for fact, meaning in fqe_doubt_reasons(coverage, episodes)]
 
 
 def off_policy_value(
