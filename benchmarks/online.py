@@ -92,12 +92,14 @@ def offline_stage(
     logs: int = 0,
     keep_opening: bool = False,
     observation_view: bool = False,
+    per_turn: bool = False,
 ) -> Path:
     """The CQL run of `sim`, trained once and kept in `cache` (CQL on 2 busy cores takes 0.2-0.4 s per step:
     minutes per simulator, the longest stage of this benchmark). Its logs: the bundled 100 episodes, or with
     `logs` N that many episodes of the same behaviour (`noisy:0.5`, seed 0) simulated anew. With `keep_opening`
     its state texts keep each episode's first turn (`cql-opening/`, beside `cql/` on the same data); with
-    `observation_view` its encoder embeds each state's current observation as a second view (`cql-obsview/`)."""
+    `observation_view` its encoder embeds each state's current observation as a second view (`cql-obsview/`);
+    with `per_turn` its state vectors are per turn (`cql-perturn/`)."""
     from offline_agent.ingest import ingest
     from offline_agent.learn.train import train
     from offline_agent.simulate import simulate
@@ -105,7 +107,8 @@ def offline_stage(
 
     folder = offline_folder(cache, sim, logs)
     data = folder / "data"
-    run = folder / ("cql" + ("-opening" if keep_opening else "") + ("-obsview" if observation_view else ""))
+    run = folder / ("cql" + ("-opening" if keep_opening else "") + ("-obsview" if observation_view else "")
+                    + ("-perturn" if per_turn else ""))
     if (run / "policy.json").is_file() and not retrain:
         return run
     started = time.perf_counter()
@@ -115,7 +118,7 @@ def offline_stage(
         if logs:
             source = simulate(SIMS[sim], logs, BEHAVIOUR, 0, folder / "logs.jsonl").path
         ingest([source], data)
-    views = StateSettings(keep_opening=keep_opening, observation_view=observation_view)
+    views = StateSettings(keep_opening=keep_opening, observation_view=observation_view, per_turn=per_turn)
     train(data, "cql", run, steps=cql_steps, seed=0, state_settings=views, overwrite=True, progress=sys.stderr.isatty())
     print(f"[{sim}] offline stage (ingest, embed, CQL {cql_steps} steps): {time.perf_counter() - started:.0f} s")
     return run
@@ -193,6 +196,7 @@ def variant(args: argparse.Namespace) -> str:
     tag = f"-logs{args.logs}" if args.logs else ""
     tag += "-opening" if args.keep_opening else ""
     tag += "-obsview" if args.observation_view else ""
+    tag += "-perturn" if args.per_turn else ""
     tag += "" if args.tau is None else f"-tau{args.tau:g}"
     tag += f"-shaping{args.subgoal_shaping:g}" if args.subgoal_shaping else ""
     tag += kl_tag(args)
@@ -401,13 +405,13 @@ def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
     ]
 
 
-def throughput(run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
+def throughput(run: Path, per_turn_run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
     """The rollout throughput table (`benchmarks/rollout_speed.py`, which also runs it alone): env steps/s with
-    the encoder in fp32 and bf16, and in fp32 one text per pass, for 1 and 8 envs, with one torch thread and
-    with `threads`."""
+    the encoder in fp32 and bf16, and in fp32 one text per pass, and of the policy on per-turn state vectors
+    (`per_turn_run`) in fp32 and bf16, for 1 and 8 envs, with one torch thread and with `threads`."""
     from benchmarks.rollout_speed import rollout_rows
 
-    return rollout_rows(run, env, steps, threads)
+    return rollout_rows(run, per_turn_run, env, steps, threads)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -425,6 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the offline stage's state texts keep each episode's first turn (the user's request)")
     parser.add_argument("--observation-view", action="store_true",
                         help="the offline stage's encoder also embeds each state's current observation on its own")
+    parser.add_argument("--per-turn", action="store_true",
+                        help="the offline stage's state vectors are per turn (`train --per-turn`)")
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--num-steps", type=int, default=64, help="steps per env per iteration")
@@ -498,7 +504,7 @@ def main() -> None:
         env = SIMS[sim]
         run = offline_stage(
             sim, cache, args.cql_steps, args.retrain and not args.tables_only, args.logs, args.keep_opening,
-            args.observation_view,
+            args.observation_view, args.per_turn,
         )
         cql_steps[sim] = json.loads((run / "policy.json").read_text())["config"]["steps"]
         if args.tables_only:
@@ -519,8 +525,9 @@ def main() -> None:
         speed, minutes = json.loads((cache / "throughput.json").read_text()) if not tag else [], float("nan")
     else:  # a variant changes nothing of the rollout speed: the throughput table is the default run's
         speed = [] if tag else throughput(
-            offline_folder(cache, args.sims[0], args.logs) / "cql", SIMS[args.sims[0]], args.throughput_steps,
-            args.threads,
+            offline_folder(cache, args.sims[0], args.logs) / "cql",
+            offline_stage(args.sims[0], cache, args.cql_steps, logs=args.logs, per_turn=True),
+            SIMS[args.sims[0]], args.throughput_steps, args.threads,
         )
         minutes = (time.perf_counter() - started) / 60
         if not tag:
@@ -566,6 +573,7 @@ def main() -> None:
         + ("; its state texts keep each episode's first turn (`--keep-opening`)" if args.keep_opening else "")
         + ("; its encoder also embeds each state's current observation on its own (`--observation-view`)"
            if args.observation_view else "")
+        + ("; its state vectors are per turn (`--per-turn`)" if args.per_turn else "")
         + f". Encoder: packaged all-MiniLM-L6-v2 ({args.encoder_precision} in rollouts and evaluations), "
         f"{args.threads} torch thread(s). "
         f"Wall time of the last invocation: {minutes:.1f} min; the online runs' own training times add up to "
@@ -600,6 +608,7 @@ def main() -> None:
         title += f", offline stage on {args.logs} logged episodes" if args.logs else ""
         title += ", states keep the opening turn" if args.keep_opening else ""
         title += ", observation view" if args.observation_view else ""
+        title += ", per-turn state vectors" if args.per_turn else ""
         title += f", sub-goal shaping {args.subgoal_shaping:g}" if args.subgoal_shaping else ""
         title += f", self-imitation {args.self_imitation:g}" if args.self_imitation else ""
         buffer = args.self_imitation_buffer

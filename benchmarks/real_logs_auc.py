@@ -152,7 +152,8 @@ def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int, mc_wei
     from offline_agent.text.states import StateSettings
 
     t0 = time.perf_counter()
-    features = build_features(dataset, encoder, StateSettings(k=budget["k"]), progress=sys.stderr.isatty())
+    settings = StateSettings(k=budget["k"], per_turn=encoder.per_turn)
+    features = build_features(dataset, encoder, settings, progress=sys.stderr.isatty())
     log(f"{name}: {features.describe()} ({features.cache_misses} texts encoded, {time.perf_counter() - t0:.0f}s)")
     test, train = features.first_rows("test"), features.first_rows("train")
     label = features.episode_success[features.episode_index[test]]
@@ -233,6 +234,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="CQL seeds per source")
     parser.add_argument("--mc-weight", type=float, default=0.0,
                         help="CQL's Monte-Carlo auxiliary loss (its own table: real_logs_auc_mcW.md)")
+    parser.add_argument("--per-turn", action="store_true",
+                        help="per-turn state vectors (`train --per-turn`; its own table: real_logs_auc_perturn.md)")
     parser.add_argument("--sources", nargs="*", choices=sorted(SLUGS), default=sorted(SLUGS),
                         help="a part of the sources (the table then has only those rows)")
     args = parser.parse_args()
@@ -247,7 +250,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     budget = BUDGETS["full" if args.full else "default"]
-    encoder = TextEncoder(max_length=budget["max_length"])
+    encoder = TextEncoder(max_length=budget["max_length"], per_turn=args.per_turn)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -265,6 +268,7 @@ def main() -> None:
         f"CQL: {b['steps']} steps"
         + (f", Monte-Carlo auxiliary loss weight {args.mc_weight:g}" if args.mc_weight else "") + ", "
         f"batch {b['batch_size']}, hidden {b['hidden']}, states of k = {b['k']} turns cut to {b['max_length']} tokens"
+        + (", per-turn state vectors" if args.per_turn else "")
         + (f", at most {b['max_episodes']} episodes per source" if b["max_episodes"] else "")
         + ". The last column's interval: a paired bootstrap over the test episodes (2000 draws) against the "
         "baseline that is better on the whole split. "
@@ -276,15 +280,17 @@ def main() -> None:
     some_sources = sorted(args.sources) != sorted(SLUGS)
     command = "python benchmarks/real_logs_auc.py" + (" --full" if args.full else "") + (
         f" --seeds {args.seeds}" if args.seeds != 3 else ""
-    ) + (f" --mc-weight {args.mc_weight:g}" if args.mc_weight else "") + (
+    ) + (f" --mc-weight {args.mc_weight:g}" if args.mc_weight else "") + (" --per-turn" if args.per_turn else "") + (
         f" --sources {' '.join(args.sources)}" if some_sources else ""
     )
-    name = "real_logs_auc" + (f"_mc{args.mc_weight:g}".replace(".", "") if args.mc_weight else "")
+    name = "real_logs_auc" + (f"_mc{args.mc_weight:g}".replace(".", "") if args.mc_weight else "") + (
+        "_perturn" if args.per_turn else ""
+    )
     if some_sources:
         name += "_" + "_".join(sorted(args.sources))
     title = "Real logs: value of the first state vs episode success" + (
         f", with CQL's Monte-Carlo auxiliary loss (weight {args.mc_weight:g})" if args.mc_weight else ""
-    )
+    ) + (", per-turn state vectors" if args.per_turn else "")
     write_result(name, title, table, command)
 
 

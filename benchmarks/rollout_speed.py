@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 SIM, ENV = "pipeline", "offline_agent/PipelineRepair-v0"
 ROLLOUT_HEADER = [
     "envs", "vector", "torch threads", "fp32 env steps/s", "bf16 env steps/s", "fp32, one text per pass",
-    "texts encoded per env step", "bare env steps/s",
+    "texts encoded per env step", "per turn, fp32", "per turn, bf16", "blocks encoded per env step (per turn)",
+    "bare env steps/s",
 ]
 ENCODER_HEADER = ["encoder", "batch", "torch threads", "texts/s", "min cosine to sentence-transformers fp32"]
 
@@ -87,9 +88,9 @@ def bare_rate(env: str, n_envs: int, seconds: float = 1.0) -> float:
     return rate
 
 
-def cql_run(cache: Path, cql_steps: int, threads: int, retrain: bool = False) -> Path:
-    """The online benchmark's CQL run on the bundled PipelineRepair logs, trained once on `threads` threads and
-    cached under `cache`."""
+def cql_run(cache: Path, cql_steps: int, threads: int, retrain: bool = False, per_turn: bool = False) -> Path:
+    """The online benchmark's CQL run on the bundled PipelineRepair logs (with `per_turn`, on per-turn state
+    vectors), trained once on `threads` threads and cached under `cache`."""
     import torch
 
     from benchmarks.online import offline_stage
@@ -97,23 +98,28 @@ def cql_run(cache: Path, cql_steps: int, threads: int, retrain: bool = False) ->
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return offline_stage(SIM, cache, cql_steps, retrain=retrain)
+        return offline_stage(SIM, cache, cql_steps, retrain=retrain, per_turn=per_turn)
     finally:
         torch.set_num_threads(before)
 
 
-def rollout_rows(run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
-    """The rollout table: 1 and 8 envs, 1 and `threads` torch threads; fp32, bf16, and fp32 one text per pass."""
+def rollout_rows(run: Path, per_turn_run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
+    """The rollout table: 1 and 8 envs, 1 and `threads` torch threads; fp32, bf16, and fp32 one text per pass,
+    then the per-turn policy (`per_turn_run`) in fp32 and bf16."""
     rows = []
     for t in sorted({1, threads}):
         for n in (1, 8):
             fp32, per_step = rollout_rate(run, env, n, steps, t)
             bf16, _ = rollout_rate(run, env, n, steps, t, precision="bf16")
             alone, _ = rollout_rate(run, env, n, steps, t, one_text_per_pass=True)
+            turns_fp32, blocks = rollout_rate(per_turn_run, env, n, steps, t)
+            turns_bf16, _ = rollout_rate(per_turn_run, env, n, steps, t, precision="bf16")
             bare = bare_rate(env, n)
-            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{alone:.1f}", f"{per_step:.2f}", f"{bare:,.0f}"])
+            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{alone:.1f}", f"{per_step:.2f}",
+                         f"{turns_fp32:.1f}", f"{turns_bf16:.1f}", f"{blocks:.2f}", f"{bare:,.0f}"])
             print(f"rollout {n} envs, {t} thread(s): fp32 {fp32:.1f}, bf16 {bf16:.1f}, fp32 one text per pass "
-                  f"{alone:.1f} env steps/s; {per_step:.2f} texts encoded per step; bare {bare:,.0f}/s", flush=True)
+                  f"{alone:.1f} env steps/s; {per_step:.2f} texts encoded per step; per turn fp32 {turns_fp32:.1f}, "
+                  f"bf16 {turns_bf16:.1f} ({blocks:.2f} blocks per step); bare {bare:,.0f}/s", flush=True)
     return rows
 
 
@@ -180,7 +186,8 @@ def main() -> None:
     from offline_agent.text.encoder import TextEncoder
 
     run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain)
-    rollouts = rollout_rows(run, ENV, args.steps, args.threads)
+    per_turn_run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain, per_turn=True)
+    rollouts = rollout_rows(run, per_turn_run, ENV, args.steps, args.threads)
     counter = TextEncoder()
     texts = state_texts(run, offline_folder(Path(args.cache), SIM, 0) / "data", args.texts, counter.count_tokens)
     tokens = sum(counter.count_tokens(t) for t in texts) / len(texts)
@@ -206,7 +213,9 @@ def rollout_note(steps: int) -> str:
         "steps per setting, a new trainer each time: a cold text-embedding memo), the policy, renderer and "
         "encoder included: fp32 and bf16 encode a step's new texts together (states in one padded forward "
         "pass); one text per pass is fp32 as rollouts encoded before. Texts encoded per env step: new state "
-        "texts and candidates (fp32). Bare: the sync vector env alone with random actions for 1 s."
+        "texts and candidates (fp32). Per turn: the same offline stage trained on per-turn state vectors "
+        "(`train --per-turn`), whose memo keeps the blocks of the state texts, so a step encodes its new blocks "
+        "and candidates only. Bare: the sync vector env alone with random actions for 1 s."
     )
 
 

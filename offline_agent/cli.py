@@ -288,6 +288,10 @@ def embed_command(
         False, "--observation-view", help="each state's current observation is also embedded on its own, "
         "beside the whole state text (vectors twice as wide)"
     ),
+    per_turn: bool = typer.Option(
+        False, "--per-turn", help="each block of a state text (task, every observation and action) is embedded "
+        "on its own and the state is their mean: a new step encodes one block, not the whole text (faster)"
+    ),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="texts per encoder forward pass"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     backend: str = typer.Option("local", "--backend", help=BACKEND_HELP + ": new texts encoded by Ray actors"),
@@ -300,12 +304,15 @@ def embed_command(
     from offline_agent.text.encoder import TextEncoder
     from offline_agent.text.states import StateSettings, dataset_texts
 
-    state_settings = StateSettings(k=k, keep_opening=keep_opening, observation_view=observation_view)
+    state_settings = StateSettings(
+        k=k, keep_opening=keep_opening, observation_view=observation_view, per_turn=per_turn
+    )
     if check_backend(backend) == "ray":
         require_ray()  # before the encoder loads and the texts are rendered
     ds = TrajectoryDataset.open(dataset)
     text_encoder = TextEncoder(
-        encoder, device=device, batch_size=batch_size, observation_view=state_settings.observation_view
+        encoder, device=device, batch_size=batch_size, observation_view=state_settings.observation_view,
+        per_turn=state_settings.per_turn,
     )
     texts = dataset_texts(ds, state_settings.for_encoder(text_encoder), text_encoder.count_tokens)
     cache = EmbeddingCache(ds.path / CACHE_DIRNAME, text_encoder)
@@ -530,6 +537,10 @@ def train_command(
         False, "--observation-view", help="each state's current observation is also embedded on its own, "
         "beside the whole state text (vectors twice as wide)"
     ),
+    per_turn: bool = typer.Option(
+        False, "--per-turn", help="each block of a state text (task, every observation and action) is embedded "
+        "on its own and the state is their mean: a new step encodes one block, not the whole text (faster)"
+    ),
     cal_ql: bool = typer.Option(
         True, "--cal-ql/--no-cal-ql", help="CQL: floor pushed-down values at the MC return (Cal-QL)"
     ),
@@ -565,7 +576,8 @@ def train_command(
     from offline_agent.text.states import DEFAULT_K, StateSettings
 
     state_settings = StateSettings(
-        k=DEFAULT_K if k is None else k, keep_opening=keep_opening, observation_view=observation_view
+        k=DEFAULT_K if k is None else k, keep_opening=keep_opening, observation_view=observation_view,
+        per_turn=per_turn,
     )
     # Settings only some algorithms have are passed when they differ from the default, so that the
     # others' configs (which lack them) only complain when asked for something they cannot do.

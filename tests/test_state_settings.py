@@ -37,6 +37,7 @@ def older_checkpoint(run, to, drop, drop_encoder_view):
         meta.pop(key)
     if drop_encoder_view:
         meta["encoder"].pop("observation_view")
+        meta["encoder"].pop("per_turn")
     (to / "policy.json").write_text(json.dumps(meta))
     return to
 
@@ -128,16 +129,17 @@ def test_a_new_checkpoint_records_the_settings_its_features_were_rendered_with()
     meta = json.loads((run / "policy.json").read_text())
     policy = Policy.load(run, encoder=learn_data.encoder())
     assert policy.state_settings == StateSettings(max_tokens=policy.encoder.max_length)
-    assert {key: meta[key] for key in ("k", "max_tokens", "keep_opening", "observation_view")} == (
+    assert {key: meta[key] for key in ("k", "max_tokens", "keep_opening", "observation_view", "per_turn")} == (
         policy.state_settings.to_meta()
     )
-    assert meta["encoder"]["observation_view"] is False  # what rebuilds the encoder (encoder_for)
+    # What rebuilds the encoder (encoder_for).
+    assert meta["encoder"]["observation_view"] is False and meta["encoder"]["per_turn"] is False
 
 
 @pytest.mark.parametrize(("drop", "drop_encoder_view"), [
-    (["k", "max_tokens", "keep_opening", "observation_view"], True),
-    (["keep_opening", "observation_view"], True),
-    (["observation_view"], False),
+    (["k", "max_tokens", "keep_opening", "observation_view", "per_turn"], True),
+    (["keep_opening", "observation_view", "per_turn"], True),
+    (["observation_view", "per_turn"], False),
 ], ids=["no-settings", "before-keep-opening", "before-the-object"])
 def test_a_checkpoint_saved_before_the_settings_existed_loads_with_the_defaults_of_its_time(
     drop, drop_encoder_view, tmp_path

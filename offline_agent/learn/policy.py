@@ -174,6 +174,7 @@ def encoder_for(
             device=device,
             max_length=int(wanted.get("max_length") or 256),
             observation_view=bool(wanted.get("observation_view")),
+            per_turn=bool(wanted.get("per_turn")),
             precision=getattr(encoder, "precision", "fp32") if given else precision,
         )
         if tuned:

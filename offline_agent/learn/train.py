@@ -90,14 +90,16 @@ class TrainResult:
 
 
 def load_encoder(encoder: Any, device: str, state_settings: StateSettings) -> Any:
-    """A `TextEncoder` from a path (None = the packaged MiniLM) with the observation view `state_settings` ask
-    for, or `encoder` itself if it is one already (then its observation view must be the one asked for)."""
+    """A `TextEncoder` from a path (None = the packaged MiniLM) with the observation view and per-turn vectors
+    `state_settings` ask for, or `encoder` itself if it is one already (then with those settings)."""
     if encoder is None or isinstance(encoder, str | Path):
         from offline_agent.text.encoder import TextEncoder
 
         path = None if encoder is None else str(encoder)
-        return TextEncoder(path=path, device=device, observation_view=state_settings.observation_view)
-    state_settings.for_encoder(encoder)  # refuses an encoder with the other observation view
+        return TextEncoder(
+            path=path, device=device, observation_view=state_settings.observation_view, per_turn=state_settings.per_turn
+        )
+    state_settings.for_encoder(encoder)  # refuses an encoder with other views
     return encoder
 
 
@@ -140,9 +142,10 @@ def train(
         state_settings = features.state_settings if features is not None else StateSettings()
     encoder = load_encoder(encoder, device, state_settings)
     n_tuned = getattr(config, "tune_encoder_layers", 0)
-    if n_tuned and state_settings.observation_view:
-        # The tuner pools the model's own output into one view; it has no second view to train through.
-        raise UserError("--tune-encoder-layers does not combine with --observation-view: drop one of them")
+    if n_tuned and (state_settings.observation_view or state_settings.per_turn):
+        # The tuner pools the model's own output over the whole text; it has no other view to train through.
+        flag = "--observation-view" if state_settings.observation_view else "--per-turn"
+        raise UserError(f"--tune-encoder-layers does not combine with {flag}: drop one of them")
     if features is None:
         features = build_features(ds, encoder, state_settings, progress=progress)
     elif features.encoder_id != encoder.id:
@@ -169,7 +172,9 @@ def train(
         "path": getattr(encoder, "path", None),
         "dim": encoder.dim,
         "max_length": getattr(encoder, "max_length", None),
-        "observation_view": features.state_settings.observation_view,  # what `encoder_for` rebuilds it with
+        # What `encoder_for` rebuilds it with.
+        "observation_view": features.state_settings.observation_view,
+        "per_turn": features.state_settings.per_turn,
     }
     tuning = tuner.describe() if tuner is not None else None
     if tuning is not None:

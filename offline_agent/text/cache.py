@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from offline_agent.errors import UserError
-from offline_agent.text.states import observation_views
+from offline_agent.text.states import state_views
 
 if TYPE_CHECKING:
     from offline_agent.text.encoder import TextEncoder
@@ -49,7 +49,8 @@ class EmbeddingCache:
 
     An encoder with the observation view stores nothing of its own: its vectors are assembled from the
     one-view vectors of each text and of its current observation, kept under the plain encoder's id. A
-    dataset embedded without the view then needs only its observations encoded to be used with it.
+    dataset embedded without the view then needs only its observations encoded to be used with it. A per-turn
+    encoder likewise stores the plain vectors of the blocks of its state texts (`per_turn_vectors`).
     """
 
     def __init__(self, root: str | Path, encoder: TextEncoder):
@@ -113,7 +114,10 @@ class EmbeddingCache:
         texts = list(texts)
         if self.single is self.encoder:
             return self._embed_one_view(texts, progress, backend, ray_address)
-        return observation_views(texts, lambda views: self._embed_one_view(views, progress, backend, ray_address))
+        return state_views(
+            texts, lambda views: self._embed_one_view(views, progress, backend, ray_address),
+            bool(getattr(self.encoder, "per_turn", False)), bool(getattr(self.encoder, "observation_view", False)),
+        )
 
     def _embed_one_view(self, texts: list[str], progress: bool, backend: str, ray_address: str | None) -> np.ndarray:
         hashes = [text_hash(t) for t in texts]
@@ -204,6 +208,10 @@ class EmbeddingMemo:
     needs to repeat itself bit for bit is the memo's whole state, which `arrays()` and `load_arrays` carry
     (fine-tuning saves it with each resume checkpoint).
 
+    With a per-turn encoder (`TextEncoder(per_turn=True)`) the memo keeps the plain vectors of the blocks of
+    the state texts (`per_turn_vectors`), not of the texts: a new state brings one new block, and the memo
+    holds that block's vector for every later state of the episode.
+
     `store` is the text -> vector dict to keep them in (least recently used first), to share one memo's
     vectors between several (policies compared on the same episodes meet the same states); by default
     its own. `hits` and `misses` count distinct texts found and encoded, `encoder_calls` the encoder calls,
@@ -219,6 +227,9 @@ class EmbeddingMemo:
         self.hits = self.misses = self.encoder_calls = self.evicted = 0
         # The id the vectors are of: an encoder whose id changes (tuned layers loaded into it) invalidates them.
         self.encoder_id = getattr(encoder, "id", None)
+        self.per_turn = bool(getattr(encoder, "per_turn", False))
+        # What the memo's vectors are of: the plain encoder's, for blocks, when the encoder is per turn.
+        self.plain = encoder.single_view() if self.per_turn else encoder
 
     def __len__(self) -> int:
         return len(self.vectors)
@@ -231,8 +242,14 @@ class EmbeddingMemo:
         return self.vectors[text]
 
     def embed(self, texts: Sequence[str]) -> np.ndarray:
-        """(N, D) float32 vectors of `texts` in their order; the texts not in the memo are encoded together."""
+        """(N, D) float32 vectors of `texts` in their order; the texts (or, per turn, their blocks) not in the
+        memo are encoded together."""
         texts = list(texts)
+        if self.per_turn:
+            return state_views(texts, self._embed_memoised, True, self.encoder.observation_view)
+        return self._embed_memoised(texts)
+
+    def _embed_memoised(self, texts: list[str]) -> np.ndarray:
         if getattr(self.encoder, "id", None) != self.encoder_id:
             self.evicted += len(self.vectors)
             self.vectors.clear()
@@ -247,7 +264,7 @@ class EmbeddingMemo:
         missing = [t for t in distinct if t not in found]
         self.hits += len(found)
         if missing:
-            encoded = np.asarray(self.encoder.encode(missing), dtype=np.float32)  # (M, D)
+            encoded = np.asarray(self.plain.encode(missing), dtype=np.float32)  # (M, D)
             self.encoder_calls += 1
             self.misses += len(missing)
             for text, vector in zip(missing, encoded, strict=True):
@@ -255,7 +272,7 @@ class EmbeddingMemo:
                 found[text] = vectors[text] = vector.copy()
             self._evict()
         if not texts:
-            return np.zeros((0, self.encoder.dim), dtype=np.float32)
+            return np.zeros((0, self.plain.dim), dtype=np.float32)
         return np.stack([found[t] for t in texts])
 
     def _evict(self) -> None:
@@ -270,7 +287,7 @@ class EmbeddingMemo:
         encoded = [t.encode("utf-8", errors="surrogatepass") for t in self.vectors]
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(b) for b in encoded])
-        width = int(self.encoder.dim)
+        width = int(self.plain.dim)
         stacked = np.stack(list(self.vectors.values())) if self.vectors else np.zeros((0, width), np.float32)
         return {
             "texts": np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(),
@@ -283,10 +300,10 @@ class EmbeddingMemo:
         raw = np.asarray(arrays["texts"], dtype=np.uint8).tobytes()
         offsets = np.asarray(arrays["offsets"], dtype=np.int64)
         vectors = np.asarray(arrays["vectors"], dtype=np.float32)
-        if len(offsets) != len(vectors) + 1 or (len(vectors) and vectors.shape[1] != self.encoder.dim):
+        if len(offsets) != len(vectors) + 1 or (len(vectors) and vectors.shape[1] != self.plain.dim):
             raise ValueError(
                 f"memo arrays of {len(offsets) - 1} texts and {vectors.shape} vectors do not fit a "
-                f"{self.encoder.dim}-d encoder"
+                f"{self.plain.dim}-d encoder"
             )
         self.vectors.clear()
         for i, vector in enumerate(vectors):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 import numpy as np
 
 from offline_agent.errors import UserError
-from offline_agent.text.states import observation_views
+from offline_agent.text.states import state_views
 
 #: Number formats the encoder's forward pass can run in (`TextEncoder(precision=...)`); "auto" is bf16 where the
 #: device computes in bf16 natively and fp32 elsewhere (`resolve_precision`).
@@ -123,6 +123,13 @@ class TextEncoder:
     the whole state and its current observation. The id ends in `-obsview`, so no checkpoint trained on
     one kind of vector is played with the other; the embedding cache keeps one-view vectors for both.
 
+    With `per_turn`, a state text's vector is the normalised mean of its blocks' vectors (`turn_blocks`: the
+    task, each observation and each action, encoded each on its own). One step of an episode adds one
+    block to the state before it, so a run that memoises blocks (`EmbeddingCache`, `EmbeddingMemo`) encodes
+    about one block per step instead of a whole ~200-token text: on the built-in simulators' logs, 19 to 58
+    new tokens per state instead of ~210. An action is one block, so its vector is the plain one. The id ends
+    in `-perturn`; the caches keep the blocks' plain vectors.
+
     With `precision="bf16"`, the forward pass runs under bfloat16 autocast (matrix products in bf16, layer
     norms, softmax and the pooling in fp32): on a 2-core Xeon with AMX, ~200-token state texts in batches of
     8 encode about twice as fast as in fp32 (benchmarks/results/rollout_speed.md), with a cosine of at least
@@ -142,6 +149,7 @@ class TextEncoder:
         batch_size: int = 64,
         observation_view: bool = False,
         precision: Precision = "fp32",
+        per_turn: bool = False,
     ):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -186,6 +194,7 @@ class TextEncoder:
         self.max_length = max_length
         self.batch_size = batch_size
         self.observation_view = observation_view
+        self.per_turn = per_turn
         self.precision = precision
         self.model_id = encoder_id(folder, max_length)  # the model and its settings, before `precision`
         self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
@@ -219,12 +228,12 @@ class TextEncoder:
         self.tuned_layers = n_top
 
     def single_view(self) -> TextEncoder:
-        """This encoder without the observation view (the same model, not a copy of it): what the embedding
-        cache stores, since an observation-view vector is two of its vectors side by side."""
-        if not self.observation_view:
+        """This encoder without the observation view and per-turn vectors (the same model, not a copy of it):
+        what the embedding cache stores, since those vectors are made of its vectors of other texts."""
+        if not (self.observation_view or self.per_turn):
             return self
         plain = copy.copy(self)
-        plain.observation_view = False
+        plain.observation_view = plain.per_turn = False
         return plain
 
     @property
@@ -234,12 +243,16 @@ class TextEncoder:
 
     @property
     def id(self) -> str:
-        return self.single_id + ("-obsview" if self.observation_view else "")
+        return self.single_id + self._views_suffix
 
     @property
     def fp32_id(self) -> str:
         """The id this encoder has in fp32: the vectors its own stand in for (its `id` when in fp32)."""
-        return self.model_id + ("-obsview" if self.observation_view else "")
+        return self.model_id + self._views_suffix
+
+    @property
+    def _views_suffix(self) -> str:
+        return ("-perturn" if self.per_turn else "") + ("-obsview" if self.observation_view else "")
 
     @property
     def dim(self) -> int:
@@ -254,9 +267,13 @@ class TextEncoder:
     def encode(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
         """(N, D) float32 L2-normalised vectors of `texts`, in their order; no caching."""
         texts = list(texts)
-        if not self.observation_view:
+        if not (self.observation_view or self.per_turn):
             return self._encode_one_view(texts, progress)
-        return observation_views(texts, lambda views: self._encode_one_view(views, progress))
+
+        def one_view(views: list[str]) -> np.ndarray:
+            return self._encode_one_view(views, progress)
+
+        return state_views(texts, one_view, self.per_turn, self.observation_view)
 
     def _encode_one_view(self, texts: list[str], progress: bool) -> np.ndarray:
         import torch

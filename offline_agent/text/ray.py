@@ -66,8 +66,8 @@ def encoder_settings(encoder: TextEncoder) -> dict[str, Any]:
             f"--backend ray cannot embed with encoder {encoder.id}: its fine-tuned layers are not in its model "
             "folder; embed with --backend local"
         )
-    if encoder.observation_view:
-        # The embedding cache hands over one view's texts (`single_view`); the second view is assembled there.
+    if encoder.observation_view or encoder.per_turn:
+        # The embedding cache hands over the plain encoder's texts (`single_view`); the views are assembled there.
         raise ValueError("encode_on_ray takes a one-view encoder: pass encoder.single_view()")
     return {
         "path": encoder.path,

@@ -31,6 +31,7 @@ DEFAULT_K = 3
 #: The line prefixes of a rendered state (`render_state`); `offline_agent.learn.grounding` and the
 #: observation view (`current_observation`) read states back by them.
 TASK_PREFIX, OBS_PREFIX, ACT_PREFIX = "Task: ", "[obs] ", "[act] "
+PREFIXES = (TASK_PREFIX, OBS_PREFIX, ACT_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ class StateSettings:
     #: the current observation is embedded on its own beside the whole text (`--observation-view`): the
     #: encoder's setting (`TextEncoder(observation_view=...)`), not the renderer's
     observation_view: bool = False
+    #: each block of a state text (task, every observation and action) is embedded on its own and the state's
+    #: vector is their mean (`--per-turn`): the encoder's setting (`TextEncoder(per_turn=...)`), not the
+    #: renderer's. Consecutive states share all but their newest block, so a run encodes each block once.
+    per_turn: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -68,54 +73,66 @@ class StateSettings:
                 f"max_tokens (the token budget of a state text) must be an integer >= 1 or None for no budget, "
                 f"got {self.max_tokens!r}"
             )
-        for name in ("keep_opening", "observation_view"):
+        for name in ("keep_opening", "observation_view", "per_turn"):
             if not isinstance(getattr(self, name), bool):
                 flag = "--" + name.replace("_", "-")
                 raise UserError(f"{name} ({flag}) must be True or False, got {getattr(self, name)!r}")
 
     def for_encoder(self, encoder: Any) -> StateSettings:
         """These settings as `encoder` renders them: its window (`max_length`) is the token budget when it can
-        count tokens (`count_tokens`), and there is none when it cannot. The encoder must have the observation
-        view these settings ask for (it is what implements it)."""
+        count tokens (`count_tokens`), and there is none when it cannot, nor per turn: there each block is
+        encoded on its own and cut to the window by itself, so the current observation never loses its place to
+        older turns, and a state keeps its k turns. The encoder must have the observation view and per-turn
+        setting these settings ask for (it is what implements them)."""
         has_view = bool(getattr(encoder, "observation_view", False))
         if has_view != self.observation_view:
             raise ValueError(
                 f"the encoder has observation_view={has_view} but the state settings ask for "
                 f"{self.observation_view}: build the encoder with observation_view={self.observation_view}"
             )
+        per_turn = bool(getattr(encoder, "per_turn", False))
+        if per_turn != self.per_turn:
+            raise ValueError(
+                f"the encoder has per_turn={per_turn} but the state settings ask for {self.per_turn}: build "
+                f"the encoder with per_turn={self.per_turn}"
+            )
         counts = getattr(encoder, "count_tokens", None) is not None
-        return replace(self, max_tokens=encoder.max_length if counts else None)
+        return replace(self, max_tokens=encoder.max_length if counts and not self.per_turn else None)
 
     def to_meta(self) -> dict[str, Any]:
         """The settings as a checkpoint's policy.json keeps them: the flat keys k, max_tokens, keep_opening
-        (as before this object existed) and observation_view, which the encoder's entry holds as well."""
+        (as before this object existed), observation_view and per_turn, which the encoder's entry holds as well."""
         return {
             "k": self.k,
             "max_tokens": self.max_tokens,
             "keep_opening": self.keep_opening,
             "observation_view": self.observation_view,
+            "per_turn": self.per_turn,
         }
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, Any]) -> StateSettings:
         """The settings of a checkpoint's policy.json. A key it lacks (a checkpoint saved before the setting
         existed) takes the value those checkpoints were rendered with: k 3, no token budget, no opening turn,
-        and the observation view as the encoder's entry records it (none if it does not)."""
+        and the observation view and per-turn vectors as the encoder's entry records them (none if it does not)."""
         encoder = meta.get("encoder")
-        encoder_view = encoder.get("observation_view") if isinstance(encoder, Mapping) else None
-        view = meta.get("observation_view", encoder_view)
-        if encoder_view is not None and bool(view) != bool(encoder_view):
-            raise UserError(
-                f"policy.json says observation_view={view} but its encoder entry says {encoder_view}: "
-                "the checkpoint is damaged; retrain it"
-            )
+        views = ("observation_view", "per_turn")
+        encoder_says = {name: encoder.get(name) if isinstance(encoder, Mapping) else None for name in views}
+        said = {name: meta.get(name, value) for name, value in encoder_says.items()}
+        for name, value in encoder_says.items():
+            if value is not None and bool(said[name]) != bool(value):
+                raise UserError(
+                    f"policy.json says {name}={said[name]} but its encoder entry says {value}: "
+                    "the checkpoint is damaged; retrain it"
+                )
         k, max_tokens = meta.get("k", DEFAULT_K), meta.get("max_tokens")
         try:
             return cls(
                 k=int(k),
                 max_tokens=None if max_tokens is None else int(max_tokens),
                 keep_opening=bool(meta.get("keep_opening", False)),
-                observation_view=bool(view),
+                observation_view=bool(said["observation_view"]),
+                per_turn=bool(said["per_turn"]),
             )
         except (TypeError, ValueError, UserError) as exc:
             raise UserError(f"policy.json holds bad state settings ({exc}): the checkpoint is damaged") from None
@@ -141,6 +158,47 @@ def observation_views(texts: list[str], one_view: Callable[[list[str]], np.ndarr
     part = whole.copy()
     part[differ] = views[len(texts) :]
     return (np.concatenate([whole, part], axis=1) / np.sqrt(2.0)).astype(np.float32)
+
+
+def turn_blocks(text: str) -> list[str]:
+    """The blocks of a rendered state text (`render_state`): its task line and each `[obs]` and `[act]` block,
+    with their prefixes (a block keeps its own line breaks: a line that does not start with a prefix
+    continues the block before it). A text that does not start with a prefix, such as an action, is one
+    block."""
+    if not text.startswith(PREFIXES):
+        return [text]
+    blocks: list[str] = []
+    for line in text.split("\n"):
+        if line.startswith(PREFIXES) or not blocks:
+            blocks.append(line)
+        else:
+            blocks[-1] += "\n" + line
+    return blocks
+
+
+def per_turn_vectors(texts: list[str], one_view: Callable[[list[str]], np.ndarray]) -> np.ndarray:
+    """The mean of the unit vectors of each text's blocks (`turn_blocks`), L2-normalised: (N, D). `one_view`
+    embeds a list of texts (N, D) in one call; the distinct blocks of all `texts` are passed once, so a
+    block that many states share (their task, their earlier turns) is embedded once. A one-block text (an
+    action) keeps its own vector."""
+    blocks = [turn_blocks(t) for t in texts]
+    position = {block: i for i, block in enumerate(dict.fromkeys(b for bs in blocks for b in bs))}
+    vectors = np.asarray(one_view(list(position)), dtype=np.float32)  # (distinct blocks, D)
+    out = np.empty((len(texts), vectors.shape[1]), dtype=np.float32)
+    for i, bs in enumerate(blocks):
+        mean = vectors[[position[b] for b in bs]].mean(0)
+        out[i] = mean / max(float(np.linalg.norm(mean)), 1e-12)
+    return out
+
+
+def state_views(
+    texts: list[str], one_view: Callable[[list[str]], np.ndarray], per_turn: bool, observation_view: bool
+) -> np.ndarray:
+    """The vectors of `texts` as an encoder with these settings gives them, from `one_view`, the plain
+    encoder's (N, D) vectors of a list of texts: per turn (`per_turn_vectors`) and/or with the observation
+    view (`observation_views`)."""
+    whole = (lambda ts: per_turn_vectors(ts, one_view)) if per_turn else one_view
+    return observation_views(texts, whole) if observation_view else whole(texts)
 
 
 def _render(task: str | None, turns: Sequence[tuple[str, str]], observation: str) -> str:
