@@ -41,7 +41,8 @@ def real_texts(encoder, n: int, seed: int) -> list[str] | None:
         return None
     with tempfile.TemporaryDirectory() as tmp:
         ingest(sources, Path(tmp) / "ds")
-        texts = dataset_texts(Path(tmp) / "ds", StateSettings(k=3).for_encoder(encoder), encoder.count_tokens)
+        settings = StateSettings(k=3, per_turn=False).for_encoder(encoder)
+        texts = dataset_texts(Path(tmp) / "ds", settings, encoder.count_tokens)
     pool = sorted(set(texts.states) | set(texts.actions))
     random.Random(seed).shuffle(pool)
     return pool[:n] if len(pool) >= n else None
@@ -88,7 +89,8 @@ def main() -> None:
     from offline_agent.text.cache import EmbeddingCache
     from offline_agent.text.encoder import TextEncoder, default_encoder_path
 
-    ours = TextEncoder(device=args.device, batch_size=args.batch_size)
+    # Whole texts in one pass each: the vectors sentence-transformers gives (per-turn vectors pool other texts).
+    ours = TextEncoder(device=args.device, batch_size=args.batch_size, per_turn=False)
     theirs = SentenceTransformer(default_encoder_path(), device=args.device)
     theirs.max_seq_length = ours.max_length
     texts = real_texts(ours, args.n, args.seed)

@@ -134,8 +134,8 @@ def main() -> None:
     parser.add_argument("--with-adapter", action="store_true", help="also CQL with a trainable state adapter")
     parser.add_argument("--algos", nargs="*", default=None, choices=[*ALGOS, "cql-adapter", "cql-mc5"],
                         help="only these learners (a quick check; the table is written to a file of its own)")
-    parser.add_argument("--per-turn", action="store_true",
-                        help="every learner on per-turn state vectors (`train --per-turn`; a table of its own)")
+    parser.add_argument("--whole-text", action="store_true",
+                        help="every learner on whole-text state vectors (`train --whole-text`; a table of its own)")
     for name, value in BUDGETS["default"].items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value}")
     args = parser.parse_args()
@@ -148,7 +148,7 @@ def main() -> None:
     base = BUDGETS["full" if args.full else "default"]
     budget = dict(base)
     budget.update({k: v for k, v in vars(args).items() if k in budget and v is not None})
-    encoder = TextEncoder(max_length=budget["max_length"], per_turn=args.per_turn)
+    encoder = TextEncoder(max_length=budget["max_length"], per_turn=not args.whole_text)
     start = time.perf_counter()
     algos = args.algos or ALGOS + (["cql-adapter"] if args.with_adapter else [])
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -168,7 +168,8 @@ def main() -> None:
         f"Success rate [95% Wilson interval] over {b['seeds']} seeds x {b['eval_episodes']} fresh episodes; "
         f"{b['episodes']} logged episodes of `{BEHAVIOUR}` per environment; every learner {b['steps']} steps of "
         f"batch {b['batch_size']}, hidden width {b['hidden']}, on the same frozen MiniLM features (k = {b['k']} "
-        f"turns, {b['max_length']} tokens" + (", per-turn state vectors" if args.per_turn else "")
+        "turns, " + ("whole-text state vectors, a text" if args.whole_text else "per-turn state vectors, a block")
+        + f" cut to {b['max_length']} tokens"
         + "); BC, filtered BC and CQL also read each candidate's grounding in the "
         f"episode (their default; d3rlpy's network sees states only). Total {total / 60:.1f} min.\n\n"
         + markdown_table(header, rows)
@@ -183,8 +184,8 @@ def main() -> None:
         name, title = f"{name}_{b['episodes']}", f"{title}, from {b['episodes']} logged episodes"
     if args.algos:  # a subset of the learners never overwrites the whole table
         name, title = f"{name}_{'_'.join(args.algos)}", f"{title}: {' vs '.join(LABELS[a] for a in algos)}"
-    if args.per_turn:
-        name, title = f"{name}_perturn", f"{title}, per-turn state vectors"
+    if args.whole_text:
+        name, title = f"{name}_wholetext", f"{title}, whole-text state vectors"
     write_result(name, title, table, command)
 
 

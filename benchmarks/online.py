@@ -92,14 +92,14 @@ def offline_stage(
     logs: int = 0,
     keep_opening: bool = False,
     observation_view: bool = False,
-    per_turn: bool = False,
+    per_turn: bool = True,
 ) -> Path:
     """The CQL run of `sim`, trained once and kept in `cache` (CQL on 2 busy cores takes 0.2-0.4 s per step:
     minutes per simulator, the longest stage of this benchmark). Its logs: the bundled 100 episodes, or with
     `logs` N that many episodes of the same behaviour (`noisy:0.5`, seed 0) simulated anew. With `keep_opening`
     its state texts keep each episode's first turn (`cql-opening/`, beside `cql/` on the same data); with
     `observation_view` its encoder embeds each state's current observation as a second view (`cql-obsview/`);
-    with `per_turn` its state vectors are per turn (`cql-perturn/`)."""
+    without `per_turn` its state vectors are whole-text ones (`cql-wholetext/`)."""
     from offline_agent.ingest import ingest
     from offline_agent.learn.train import train
     from offline_agent.simulate import simulate
@@ -108,7 +108,7 @@ def offline_stage(
     folder = offline_folder(cache, sim, logs)
     data = folder / "data"
     run = folder / ("cql" + ("-opening" if keep_opening else "") + ("-obsview" if observation_view else "")
-                    + ("-perturn" if per_turn else ""))
+                    + ("" if per_turn else "-wholetext"))
     if (run / "policy.json").is_file() and not retrain:
         return run
     started = time.perf_counter()
@@ -196,7 +196,7 @@ def variant(args: argparse.Namespace) -> str:
     tag = f"-logs{args.logs}" if args.logs else ""
     tag += "-opening" if args.keep_opening else ""
     tag += "-obsview" if args.observation_view else ""
-    tag += "-perturn" if args.per_turn else ""
+    tag += "-wholetext" if args.whole_text else ""
     tag += "" if args.tau is None else f"-tau{args.tau:g}"
     tag += f"-shaping{args.subgoal_shaping:g}" if args.subgoal_shaping else ""
     tag += kl_tag(args)
@@ -405,13 +405,13 @@ def quality_row(sim: str, offline: tuple[int, int], runs: dict) -> list[object]:
     ]
 
 
-def throughput(run: Path, per_turn_run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
+def throughput(run: Path, whole_text_run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
     """The rollout throughput table (`benchmarks/rollout_speed.py`, which also runs it alone): env steps/s with
-    the encoder in fp32 and bf16, and in fp32 one text per pass, and of the policy on per-turn state vectors
-    (`per_turn_run`) in fp32 and bf16, for 1 and 8 envs, with one torch thread and with `threads`."""
+    the encoder in fp32 and bf16, and of the policy on whole-text state vectors (`whole_text_run`) in fp32,
+    bf16 and fp32 one text per pass, for 1 and 8 envs, with one torch thread and with `threads`."""
     from benchmarks.rollout_speed import rollout_rows
 
-    return rollout_rows(run, per_turn_run, env, steps, threads)
+    return rollout_rows(run, whole_text_run, env, steps, threads)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -429,8 +429,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the offline stage's state texts keep each episode's first turn (the user's request)")
     parser.add_argument("--observation-view", action="store_true",
                         help="the offline stage's encoder also embeds each state's current observation on its own")
-    parser.add_argument("--per-turn", action="store_true",
-                        help="the offline stage's state vectors are per turn (`train --per-turn`)")
+    parser.add_argument("--whole-text", action="store_true",
+                        help="the offline stage's state vectors are whole-text ones (`train --whole-text`)")
     parser.add_argument("--iterations", type=int, default=ITERATIONS)
     parser.add_argument("--num-envs", type=int, default=8)
     parser.add_argument("--num-steps", type=int, default=64, help="steps per env per iteration")
@@ -504,7 +504,7 @@ def main() -> None:
         env = SIMS[sim]
         run = offline_stage(
             sim, cache, args.cql_steps, args.retrain and not args.tables_only, args.logs, args.keep_opening,
-            args.observation_view, args.per_turn,
+            args.observation_view, not args.whole_text,
         )
         cql_steps[sim] = json.loads((run / "policy.json").read_text())["config"]["steps"]
         if args.tables_only:
@@ -526,7 +526,7 @@ def main() -> None:
     else:  # a variant changes nothing of the rollout speed: the throughput table is the default run's
         speed = [] if tag else throughput(
             offline_folder(cache, args.sims[0], args.logs) / "cql",
-            offline_stage(args.sims[0], cache, args.cql_steps, logs=args.logs, per_turn=True),
+            offline_stage(args.sims[0], cache, args.cql_steps, logs=args.logs, per_turn=False),
             SIMS[args.sims[0]], args.throughput_steps, args.threads,
         )
         minutes = (time.perf_counter() - started) / 60
@@ -573,7 +573,7 @@ def main() -> None:
         + ("; its state texts keep each episode's first turn (`--keep-opening`)" if args.keep_opening else "")
         + ("; its encoder also embeds each state's current observation on its own (`--observation-view`)"
            if args.observation_view else "")
-        + ("; its state vectors are per turn (`--per-turn`)" if args.per_turn else "")
+        + ("; its state vectors are whole-text ones (`--whole-text`)" if args.whole_text else "")
         + f". Encoder: packaged all-MiniLM-L6-v2 ({args.encoder_precision} in rollouts and evaluations), "
         f"{args.threads} torch thread(s). "
         f"Wall time of the last invocation: {minutes:.1f} min; the online runs' own training times add up to "
@@ -608,7 +608,7 @@ def main() -> None:
         title += f", offline stage on {args.logs} logged episodes" if args.logs else ""
         title += ", states keep the opening turn" if args.keep_opening else ""
         title += ", observation view" if args.observation_view else ""
-        title += ", per-turn state vectors" if args.per_turn else ""
+        title += ", whole-text state vectors" if args.whole_text else ""
         title += f", sub-goal shaping {args.subgoal_shaping:g}" if args.subgoal_shaping else ""
         title += f", self-imitation {args.self_imitation:g}" if args.self_imitation else ""
         buffer = args.self_imitation_buffer

@@ -21,7 +21,7 @@ the issue's target is +0.05 on every source. Its interval is a paired bootstrap 
 the test split can tell from chance.
 
 Default budget: InterCode SQL subsampled to 400 episodes (stable: by a salted hash of
-the episode id), state texts cut to 128 tokens; `--full` uses everything at 256.
+the episode id), texts cut to 128 tokens; `--full` uses everything at 256.
 """
 
 from __future__ import annotations
@@ -234,8 +234,8 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3, help="CQL seeds per source")
     parser.add_argument("--mc-weight", type=float, default=0.0,
                         help="CQL's Monte-Carlo auxiliary loss (its own table: real_logs_auc_mcW.md)")
-    parser.add_argument("--per-turn", action="store_true",
-                        help="per-turn state vectors (`train --per-turn`; its own table: real_logs_auc_perturn.md)")
+    parser.add_argument("--whole-text", action="store_true",
+                        help="whole-text state vectors (`train --whole-text`; a table of its own)")
     parser.add_argument("--sources", nargs="*", choices=sorted(SLUGS), default=sorted(SLUGS),
                         help="a part of the sources (the table then has only those rows)")
     args = parser.parse_args()
@@ -250,7 +250,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     budget = BUDGETS["full" if args.full else "default"]
-    encoder = TextEncoder(max_length=budget["max_length"], per_turn=args.per_turn)
+    encoder = TextEncoder(max_length=budget["max_length"], per_turn=not args.whole_text)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -267,8 +267,9 @@ def main() -> None:
         f"{args.seeds} seeds [their range]; per step: Q(s_t, a_t) of every test step against its episode's success. "
         f"CQL: {b['steps']} steps"
         + (f", Monte-Carlo auxiliary loss weight {args.mc_weight:g}" if args.mc_weight else "") + ", "
-        f"batch {b['batch_size']}, hidden {b['hidden']}, states of k = {b['k']} turns cut to {b['max_length']} tokens"
-        + (", per-turn state vectors" if args.per_turn else "")
+        f"batch {b['batch_size']}, hidden {b['hidden']}, states of k = {b['k']} turns, "
+        + (f"whole-text state vectors (a text cut to {b['max_length']} tokens)" if args.whole_text
+           else f"per-turn state vectors (each block cut to {b['max_length']} tokens)")
         + (f", at most {b['max_episodes']} episodes per source" if b["max_episodes"] else "")
         + ". The last column's interval: a paired bootstrap over the test episodes (2000 draws) against the "
         "baseline that is better on the whole split. "
@@ -280,17 +281,19 @@ def main() -> None:
     some_sources = sorted(args.sources) != sorted(SLUGS)
     command = "python benchmarks/real_logs_auc.py" + (" --full" if args.full else "") + (
         f" --seeds {args.seeds}" if args.seeds != 3 else ""
-    ) + (f" --mc-weight {args.mc_weight:g}" if args.mc_weight else "") + (" --per-turn" if args.per_turn else "") + (
+    ) + (f" --mc-weight {args.mc_weight:g}" if args.mc_weight else "") + (
+        " --whole-text" if args.whole_text else ""
+    ) + (
         f" --sources {' '.join(args.sources)}" if some_sources else ""
     )
     name = "real_logs_auc" + (f"_mc{args.mc_weight:g}".replace(".", "") if args.mc_weight else "") + (
-        "_perturn" if args.per_turn else ""
+        "_wholetext" if args.whole_text else ""
     )
     if some_sources:
         name += "_" + "_".join(sorted(args.sources))
     title = "Real logs: value of the first state vs episode success" + (
         f", with CQL's Monte-Carlo auxiliary loss (weight {args.mc_weight:g})" if args.mc_weight else ""
-    ) + (", per-turn state vectors" if args.per_turn else "")
+    ) + (", whole-text state vectors" if args.whole_text else "")
     write_result(name, title, table, command)
 
 

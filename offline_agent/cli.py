@@ -289,8 +289,9 @@ def embed_command(
         "beside the whole state text (vectors twice as wide)"
     ),
     per_turn: bool = typer.Option(
-        False, "--per-turn", help="each block of a state text (task, every observation and action) is embedded "
-        "on its own and the state is their mean: a new step encodes one block, not the whole text (faster)"
+        True, "--per-turn/--whole-text", help="each block of a state text (task, every observation and action) is "
+        "embedded on its own and the state is their mean, so a new step encodes one block; --whole-text embeds "
+        "the whole text in one pass (2.6-4x slower; tuned encoders need it)"
     ),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="texts per encoder forward pass"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
@@ -537,9 +538,10 @@ def train_command(
         False, "--observation-view", help="each state's current observation is also embedded on its own, "
         "beside the whole state text (vectors twice as wide)"
     ),
-    per_turn: bool = typer.Option(
-        False, "--per-turn", help="each block of a state text (task, every observation and action) is embedded "
-        "on its own and the state is their mean: a new step encodes one block, not the whole text (faster)"
+    per_turn: bool | None = typer.Option(
+        None, "--per-turn/--whole-text", help="each block of a state text (task, every observation and action) is "
+        "embedded on its own and the state is their mean, so a new step encodes one block; --whole-text embeds "
+        "the whole text in one pass (2.6-4x slower) [default: per turn; whole text with --tune-encoder-layers]"
     ),
     cal_ql: bool = typer.Option(
         True, "--cal-ql/--no-cal-ql", help="CQL: floor pushed-down values at the MC return (Cal-QL)"
@@ -577,7 +579,8 @@ def train_command(
 
     state_settings = StateSettings(
         k=DEFAULT_K if k is None else k, keep_opening=keep_opening, observation_view=observation_view,
-        per_turn=per_turn,
+        # A tuned encoder is tuned over whole state texts (`train`'s default for it too).
+        per_turn=not tune_encoder_layers if per_turn is None else per_turn,
     )
     # Settings only some algorithms have are passed when they differ from the default, so that the
     # others' configs (which lack them) only complain when asked for something they cannot do.

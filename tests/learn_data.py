@@ -29,9 +29,18 @@ def root() -> Path:
 
 @functools.cache
 def encoder():
+    """The default encoder: per-turn state vectors."""
     from offline_agent.text.encoder import TextEncoder
 
     return TextEncoder()
+
+
+@functools.cache
+def whole_text_encoder():
+    """The encoder of whole-text state vectors (`--whole-text`, the default until 2026-12-06)."""
+    from offline_agent.text.encoder import TextEncoder
+
+    return TextEncoder(per_turn=False)
 
 
 @functools.cache
@@ -56,25 +65,30 @@ def color_lock_features():
 
 
 @functools.cache
-def pipeline_run() -> dict[str, Path]:
-    """{"data": six bundled PipelineRepair episodes ingested, "run": CQL trained 20 steps on them (one thread)}."""
+def pipeline_run(per_turn: bool = True) -> dict[str, Path]:
+    """{"data": six bundled PipelineRepair episodes ingested, "run": CQL trained 20 steps on them (one thread)},
+    on per-turn state vectors (the default) or, without `per_turn`, whole-text ones (`run-whole-text`)."""
     import torch
 
     from offline_agent.ingest import ingest
     from offline_agent.learn.train import train
+    from offline_agent.text.states import StateSettings
 
     folder = root() / "pipeline"
-    folder.mkdir()
-    lines = (REPO / "datasets" / "pipeline" / "logs.jsonl").read_text().splitlines(keepends=True)
-    (folder / "logs.jsonl").write_text("".join(lines[:6]))
-    ingest([folder / "logs.jsonl"], folder / "data")
+    if not (folder / "data").exists():
+        folder.mkdir()
+        lines = (REPO / "datasets" / "pipeline" / "logs.jsonl").read_text().splitlines(keepends=True)
+        (folder / "logs.jsonl").write_text("".join(lines[:6]))
+        ingest([folder / "logs.jsonl"], folder / "data")
+    run = folder / ("run" if per_turn else "run-whole-text")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        train(folder / "data", "cql", folder / "run", steps=20, batch_size=16, seed=0, encoder=encoder())
+        train(folder / "data", "cql", run, steps=20, batch_size=16, seed=0,
+              encoder=encoder() if per_turn else whole_text_encoder(), state_settings=StateSettings(per_turn=per_turn))
     finally:
         torch.set_num_threads(threads)
-    return {"data": folder / "data", "run": folder / "run"}
+    return {"data": folder / "data", "run": run}
 
 
 def fresh_copy(to: Path) -> Path:

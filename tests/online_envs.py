@@ -188,7 +188,8 @@ def tiny_checkpoint(
     from offline_agent.learn.policy import save_checkpoint
     from offline_agent.text.encoder import TextEncoder
 
-    encoder = TextEncoder(str(encoder_folder), max_length=64, observation_view=observation_view)
+    # Whole-text vectors: the checkpoint is written as those saved before per-turn vectors existed.
+    encoder = TextEncoder(str(encoder_folder), max_length=64, observation_view=observation_view, per_turn=False)
     torch.manual_seed(seed)
     network = QNetwork(encoder.dim, hidden=hidden, n_heads=2, pair_dim=pair_dim)
     meta = {

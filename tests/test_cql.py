@@ -449,8 +449,9 @@ def policy_text(candidate):
 def test_fqe_values_a_good_policy_above_the_logged_behaviour():
     f = learn_data.color_lock_features()
     net, _ = train_cql(f, CQLConfig(**FAST))
-    result = fitted_q_evaluation(f, net, FQEConfig(steps=300, batch_size=64, hidden=64, learning_rate=1e-3,
-                                                   target_update_rate=0.02, split="test", log_every=100))
+    # 600 steps: on per-turn vectors FQE's value was still rising at 300 (0.51, then 0.93 at 600).
+    result = fitted_q_evaluation(f, net, FQEConfig(steps=600, batch_size=64, hidden=64, learning_rate=1e-3,
+                                                   target_update_rate=0.02, split="test", log_every=200))
     assert result.episodes == int((f.episode_split == 2).sum()) and len(result.history) == 3
     # the greedy policy opens ~every lock in 3 steps: V ~ 0.99^2; the noisy behaviour about half of them
     assert result.value > result.behaviour_value and 0.6 < result.value < 1.1, result

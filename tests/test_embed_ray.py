@@ -28,7 +28,8 @@ BATCH_SIZE = 8
 
 @pytest.fixture(scope="module")
 def encoder() -> TextEncoder:
-    return TextEncoder(batch_size=BATCH_SIZE)
+    # Whole texts: the Ray backend encodes the plain texts it is sent (per-turn vectors are assembled from them).
+    return TextEncoder(batch_size=BATCH_SIZE, per_turn=False)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def test_observation_view_on_ray_stores_one_view_vectors_even_when_an_actor_is_k
     from offline_agent.text.ray import ACTOR_PREFIX
 
     ray = local_ray
-    viewed = TextEncoder(batch_size=BATCH_SIZE, observation_view=True)
+    viewed = TextEncoder(batch_size=BATCH_SIZE, observation_view=True, per_turn=False)
     cache = EmbeddingCache(tmp_path, viewed)
     result: dict[str, np.ndarray] = {}
     earlier = set(ray.util.list_named_actors())  # actors of earlier tests may not have gone yet

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 import torch
-from learn_data import K, color_lock_dataset, encoder, fresh_copy
+from learn_data import K, color_lock_dataset, fresh_copy
+from learn_data import whole_text_encoder as encoder  # tuning is over whole state texts
 from learn_envs import SPEC
 from safetensors.torch import load_file
 
@@ -18,7 +19,7 @@ from offline_agent.learn.train import train
 from offline_agent.text.states import StateSettings
 from offline_agent.text.tuning import LAYER_PREFIX, tuned_encoder_id, weights_digest
 
-STATE = StateSettings(k=K)
+STATE = StateSettings(k=K, per_turn=False)
 
 TEXTS = [
     "hello",

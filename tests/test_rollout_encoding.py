@@ -198,7 +198,7 @@ def test_bf16_vectors_have_an_id_and_cache_of_their_own_and_stand_in_for_fp32_on
     fp32 = learn_data.encoder()
     policy = Policy.load(pipeline["run"], precision="bf16")
     bf16 = policy.encoder
-    assert bf16.precision == "bf16" and bf16.id == fp32.id + "-bf16" and bf16.fp32_id == fp32.id
+    assert bf16.precision == "bf16" and bf16.id == fp32.single_id + "-bf16-perturn" and bf16.fp32_id == fp32.id
     # The dataset embedding cache never mixes the two: bf16 vectors go to a folder of their own.
     bf16_cache, fp32_cache = EmbeddingCache(tmp_path, bf16), EmbeddingCache(tmp_path, fp32)
     assert bf16_cache.folder != fp32_cache.folder

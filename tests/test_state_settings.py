@@ -98,15 +98,19 @@ def test_a_damaged_checkpoint_meta_is_a_user_error():
 
 
 def test_an_encoder_fixes_the_token_budget_and_must_have_the_view_asked_for():
-    encoder = learn_data.encoder()
-    assert StateSettings(k=1).for_encoder(encoder) == StateSettings(k=1, max_tokens=encoder.max_length)
+    encoder = learn_data.whole_text_encoder()
+    assert StateSettings(k=1, per_turn=False).for_encoder(encoder) == StateSettings(
+        k=1, max_tokens=encoder.max_length, per_turn=False
+    )
+    # Per turn, no budget for the whole text: each block is cut to the window on its own.
+    assert StateSettings(k=1).for_encoder(learn_data.encoder()) == StateSettings(k=1, max_tokens=None)
 
     class NoTokenizer:  # an encoder that cannot count tokens: its texts are never cut
         max_length = 16
 
-    assert StateSettings(max_tokens=99).for_encoder(NoTokenizer()).max_tokens is None
+    assert StateSettings(max_tokens=99, per_turn=False).for_encoder(NoTokenizer()).max_tokens is None
     with pytest.raises(ValueError, match=r"the encoder has observation_view=False but the state settings ask for True"):
-        StateSettings(observation_view=True).for_encoder(encoder)
+        StateSettings(observation_view=True, per_turn=False).for_encoder(encoder)
 
 
 def test_train_on_the_cli_refuses_a_negative_k_in_one_line(tmp_path):
@@ -128,12 +132,14 @@ def test_a_new_checkpoint_records_the_settings_its_features_were_rendered_with()
     run = learn_data.pipeline_run()["run"]
     meta = json.loads((run / "policy.json").read_text())
     policy = Policy.load(run, encoder=learn_data.encoder())
-    assert policy.state_settings == StateSettings(max_tokens=policy.encoder.max_length)
+    assert policy.state_settings == StateSettings(max_tokens=None, per_turn=True)  # the defaults
     assert {key: meta[key] for key in ("k", "max_tokens", "keep_opening", "observation_view", "per_turn")} == (
         policy.state_settings.to_meta()
     )
     # What rebuilds the encoder (encoder_for).
-    assert meta["encoder"]["observation_view"] is False and meta["encoder"]["per_turn"] is False
+    assert meta["encoder"]["observation_view"] is False and meta["encoder"]["per_turn"] is True
+    whole = Policy.load(learn_data.pipeline_run(per_turn=False)["run"], encoder=learn_data.whole_text_encoder())
+    assert whole.state_settings == StateSettings(max_tokens=whole.encoder.max_length, per_turn=False)
 
 
 @pytest.mark.parametrize(("drop", "drop_encoder_view"), [
@@ -144,10 +150,12 @@ def test_a_new_checkpoint_records_the_settings_its_features_were_rendered_with()
 def test_a_checkpoint_saved_before_the_settings_existed_loads_with_the_defaults_of_its_time(
     drop, drop_encoder_view, tmp_path
 ):
-    run = learn_data.pipeline_run()["run"]
-    new = Policy.load(run, encoder=learn_data.encoder())
-    old = Policy.load(older_checkpoint(run, tmp_path / "old", drop, drop_encoder_view), encoder=learn_data.encoder())
-    expected = {"k": 3, "max_tokens": None, "keep_opening": False, "observation_view": False}
+    # Checkpoints saved before the settings existed had whole-text vectors.
+    run = learn_data.pipeline_run(per_turn=False)["run"]
+    whole = learn_data.whole_text_encoder()
+    new = Policy.load(run, encoder=whole)
+    old = Policy.load(older_checkpoint(run, tmp_path / "old", drop, drop_encoder_view), encoder=whole)
+    expected = {"k": 3, "max_tokens": None, "keep_opening": False, "observation_view": False, "per_turn": False}
     expected.update({key: getattr(new.state_settings, key) for key in ("k", "max_tokens") if key not in drop})
     assert old.state_settings == StateSettings(**expected)
 
@@ -180,5 +188,5 @@ def test_an_older_observation_view_checkpoint_reads_the_view_from_its_encoder_en
     meta = json.loads((run / "policy.json").read_text())
     assert "observation_view" not in meta and "keep_opening" not in meta  # written as before the object
     policy = Policy.load(run)
-    assert policy.state_settings == StateSettings(k=2, max_tokens=64, observation_view=True)
+    assert policy.state_settings == StateSettings(k=2, max_tokens=64, observation_view=True, per_turn=False)
     assert policy.encoder.observation_view

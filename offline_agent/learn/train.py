@@ -122,7 +122,8 @@ def train(
 ) -> TrainResult:
     """Train `algo` on `dataset` and write the run folder `out` (see the module docstring).
 
-    `state_settings` say how states become text and vectors (None: the defaults, or with `features` theirs),
+    `state_settings` say how states become text and vectors (None: the defaults, whole-text vectors when
+    the encoder is tuned, or with `features` theirs),
     recorded in policy.json; with the observation view the encoder embeds each state's current observation
     as a second view (`TextEncoder`). `settings` passes any other field of the algorithm's config (e.g.
     {"cal_ql": True}); `features` skips embedding when the caller already built them (benchmarks).
@@ -138,14 +139,18 @@ def train(
     out = Path(out)
     if (out / CONFIG_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a trained policy: choose another --out, or pass --overwrite")
-    if state_settings is None:
-        state_settings = features.state_settings if features is not None else StateSettings()
-    encoder = load_encoder(encoder, device, state_settings)
     n_tuned = getattr(config, "tune_encoder_layers", 0)
+    if state_settings is None:
+        # A tuned encoder is tuned over whole state texts, so its states are whole texts unless asked otherwise.
+        state_settings = features.state_settings if features is not None else StateSettings(per_turn=not n_tuned)
+    encoder = load_encoder(encoder, device, state_settings)
     if n_tuned and (state_settings.observation_view or state_settings.per_turn):
         # The tuner pools the model's own output over the whole text; it has no other view to train through.
-        flag = "--observation-view" if state_settings.observation_view else "--per-turn"
-        raise UserError(f"--tune-encoder-layers does not combine with {flag}: drop one of them")
+        fix = "drop --observation-view" if state_settings.observation_view else "add --whole-text"
+        raise UserError(
+            f"--tune-encoder-layers tunes the encoder over whole state texts: {fix} (per-turn vectors, the "
+            "default, and the observation view pool other texts)"
+        )
     if features is None:
         features = build_features(ds, encoder, state_settings, progress=progress)
     elif features.encoder_id != encoder.id:

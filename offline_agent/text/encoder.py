@@ -123,8 +123,9 @@ class TextEncoder:
     the whole state and its current observation. The id ends in `-obsview`, so no checkpoint trained on
     one kind of vector is played with the other; the embedding cache keeps one-view vectors for both.
 
-    With `per_turn`, a state text's vector is the normalised mean of its blocks' vectors (`turn_blocks`: the
-    task, each observation and each action, encoded each on its own). One step of an episode adds one
+    With `per_turn` (the default), a state text's vector is the normalised mean of its blocks' vectors
+    (`turn_blocks`: the task, each observation and each action, encoded each on its own); without it, the
+    whole text goes through one forward pass (sentence-transformers' `encode`). One step of an episode adds one
     block to the state before it, so a run that memoises blocks (`EmbeddingCache`, `EmbeddingMemo`) encodes
     about one block per step instead of a whole ~200-token text: on the built-in simulators' logs, 19 to 58
     new tokens per state instead of ~210. An action is one block, so its vector is the plain one. The id ends
@@ -149,7 +150,7 @@ class TextEncoder:
         batch_size: int = 64,
         observation_view: bool = False,
         precision: Precision = "fp32",
-        per_turn: bool = False,
+        per_turn: bool = True,
     ):
         import torch
         from transformers import AutoModel, AutoTokenizer

@@ -76,6 +76,7 @@ def encoder_settings(encoder: TextEncoder) -> dict[str, Any]:
         "max_length": encoder.max_length,
         "batch_size": encoder.batch_size,
         "precision": encoder.precision,
+        "per_turn": False,  # the actors encode the plain texts they are sent (blocks, per turn)
     }
 
 

@@ -59,9 +59,10 @@ class StateSettings:
     #: encoder's setting (`TextEncoder(observation_view=...)`), not the renderer's
     observation_view: bool = False
     #: each block of a state text (task, every observation and action) is embedded on its own and the state's
-    #: vector is their mean (`--per-turn`): the encoder's setting (`TextEncoder(per_turn=...)`), not the
-    #: renderer's. Consecutive states share all but their newest block, so a run encodes each block once.
-    per_turn: bool = False
+    #: vector is their mean (`--per-turn`, the default; `--whole-text` embeds the text in one pass): the
+    #: encoder's setting (`TextEncoder(per_turn=...)`), not the renderer's. Consecutive states share all but
+    #: their newest block, so a run encodes each block once. Checkpoints saved before it existed are whole-text.
+    per_turn: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 0:
@@ -114,7 +115,8 @@ class StateSettings:
     def from_meta(cls, meta: Mapping[str, Any]) -> StateSettings:
         """The settings of a checkpoint's policy.json. A key it lacks (a checkpoint saved before the setting
         existed) takes the value those checkpoints were rendered with: k 3, no token budget, no opening turn,
-        and the observation view and per-turn vectors as the encoder's entry records them (none if it does not)."""
+        and the observation view and per-turn vectors as the encoder's entry records them (neither if it does
+        not: whole-text vectors, the default until 2026-12-06)."""
         encoder = meta.get("encoder")
         views = ("observation_view", "per_turn")
         encoder_says = {name: encoder.get(name) if isinstance(encoder, Mapping) else None for name in views}
