@@ -175,7 +175,7 @@ def test_evaluate_a_behaviour_policy_spec():
         (["train", "{ds}", "--out", "{tmp}/r", "--algo", "d3rlpy-cql", "--no-grounding"], "has no setting grounding"),
         (["train", "{ds}", "--out", "{tmp}/r", "--tune-encoder-layers", "9"], "between 1 and the encoder's 6 layers"),
         (["train", "{ds}", "--out", "{tmp}/r", "--tune-encoder-layers", "1", "--observation-view"],
-         "--tune-encoder-layers does not combine with --observation-view"),
+         "--tune-encoder-layers tunes the encoder over whole state texts: drop --observation-view"),
         (["evaluate", "{tmp}", "--env", SPEC], "holds no policy checkpoint"),
         (["evaluate", "{tmp}"], "evaluate needs --env ENV"),
         (["evaluate", "behaviour:sometimes", "--env", SPEC], "unknown policy 'sometimes'"),
