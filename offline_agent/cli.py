@@ -291,7 +291,7 @@ def embed_command(
     per_turn: bool = typer.Option(
         True, "--per-turn/--whole-text", help="each block of a state text (task, every observation and action) is "
         "embedded on its own and the state is their mean, so a new step encodes one block; --whole-text embeds "
-        "the whole text in one pass (2.6-4x slower; tuned encoders need it)"
+        "the whole text in one pass (3-4x slower; tuned encoders need it)"
     ),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="texts per encoder forward pass"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
@@ -541,7 +541,7 @@ def train_command(
     per_turn: bool | None = typer.Option(
         None, "--per-turn/--whole-text", help="each block of a state text (task, every observation and action) is "
         "embedded on its own and the state is their mean, so a new step encodes one block; --whole-text embeds "
-        "the whole text in one pass (2.6-4x slower) [default: per turn; whole text with --tune-encoder-layers]"
+        "the whole text in one pass (3-4x slower) [default: per turn; whole text with --tune-encoder-layers]"
     ),
     cal_ql: bool = typer.Option(
         True, "--cal-ql/--no-cal-ql", help="CQL: floor pushed-down values at the MC return (Cal-QL)"
