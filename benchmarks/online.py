@@ -539,7 +539,7 @@ def main() -> None:
         speed, minutes = json.loads((cache / "throughput.json").read_text()) if not tag else [], float("nan")
     else:  # a variant changes nothing of the rollout speed: the throughput table is the default run's
         speed = [] if tag else throughput(
-            offline_folder(cache, args.sims[0], args.logs) / "cql",
+            offline_stage(args.sims[0], cache, args.cql_steps, logs=args.logs),  # the default run, trained above
             offline_stage(args.sims[0], cache, args.cql_steps, logs=args.logs, per_turn=False),
             SIMS[args.sims[0]], args.throughput_steps, args.threads,
         )

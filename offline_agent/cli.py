@@ -24,6 +24,10 @@ from offline_agent.errors import UserError  # noqa: E402
 console = Console(stderr=True)
 
 BACKEND_HELP = "local | ray (needs the extra: pip install 'offline-agent[ray]')"
+PER_TURN_HELP = (
+    "each block of a state text (task, every observation and action) is embedded on its own and the state is "
+    "their mean, so a new step encodes one block; --whole-text embeds the whole text in one pass (3-4x slower"
+)
 RAY_ADDRESS_HELP = "with --backend ray: 'auto' joins this machine's cluster, HOST:PORT another [default: a local Ray]"
 RAY_ACTORS_HELP = "with --backend ray: actors the environments are spread over [default: one per cluster CPU]"
 
@@ -289,9 +293,7 @@ def embed_command(
         "beside the whole state text (vectors twice as wide)"
     ),
     per_turn: bool = typer.Option(
-        True, "--per-turn/--whole-text", help="each block of a state text (task, every observation and action) is "
-        "embedded on its own and the state is their mean, so a new step encodes one block; --whole-text embeds "
-        "the whole text in one pass (3-4x slower; tuned encoders need it)"
+        True, "--per-turn/--whole-text", help=PER_TURN_HELP + "; tuned encoders need it)"
     ),
     batch_size: int = typer.Option(64, "--batch-size", min=1, help="texts per encoder forward pass"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
@@ -539,9 +541,8 @@ def train_command(
         "beside the whole state text (vectors twice as wide)"
     ),
     per_turn: bool | None = typer.Option(
-        None, "--per-turn/--whole-text", help="each block of a state text (task, every observation and action) is "
-        "embedded on its own and the state is their mean, so a new step encodes one block; --whole-text embeds "
-        "the whole text in one pass (3-4x slower) [default: per turn; whole text with --tune-encoder-layers]"
+        None, "--per-turn/--whole-text",
+        help=PER_TURN_HELP + ") [default: per turn; whole text with --tune-encoder-layers]"
     ),
     cal_ql: bool = typer.Option(
         True, "--cal-ql/--no-cal-ql", help="CQL: floor pushed-down values at the MC return (Cal-QL)"
