@@ -4,21 +4,25 @@ On τ-bench airline (GPT-4o, 200 episodes, 0/1 outcome), InterCode SQL (GPT-4,
 1,034 episodes, score deltas; success = final score 1) and InterCode bash (GPT-4,
 the same shape), read from
 ../shared/data/real (skipped when absent): ingest with a 60/10/30 split (more
-held-out episodes than the default 80/10/10, for a steadier AUC), train our CQL on
-the train split (no logged candidates here: each step's candidates are sampled
-from the action vocabulary and the batch), then score each test episode's first
-state two ways, `Q(s0, a0)` of the logged first action and `max_a Q(s0, a)` over
-the whole vocabulary, and report the ROC AUC of those scores for the episode's
-success. The baselines see only the task: a logistic regression on the task's
-embedding fitted to the train split's successes, and the same on the first
-state's embedding (which holds the task and the first observation, what the
-value sees). Beside it, the per-step AUC: `Q(s_t, a_t)` of every test step against its episode's success
-(a value that knows where an episode is going should rank a failing episode's steps low). CQL is trained
-with `--seeds` seeds (default 3); its AUCs are the seeds' mean with their range, the baselines (fitted by
-L-BFGS from zero) have one value. The last column is CQL's mean first-state AUC minus the better baseline's:
-the issue's target is +0.05 on every source. Its interval is a paired bootstrap over the test episodes
-(the seeds' scores and the better baseline's resampled together): a gap whose interval holds 0 is not one
-the test split can tell from chance.
+held-out episodes than the default 80/10/10, for a steadier AUC), and train on the
+train split what `offline-agent train` trains: the logs' value network
+(`offline_agent.learn.value`: the logged agent's return from a step, regressed on
+the logged returns) and CQL (no logged candidates here: each step's candidates are
+sampled from the action vocabulary and the batch). Each test episode's first step
+is scored by the value network's predicted return and by CQL's `Q(s0, a0)` of the
+logged first action, and the table reports the ROC AUC of those scores for the
+episode's success; beside them, the per-step AUC: the score of every test step
+against its episode's success (a value that knows where an episode is going ranks
+a failing episode's steps low). The baselines see only the task: a logistic
+regression on the task's embedding fitted to the train split's successes, and the
+same on the first state's embedding (the task and the first observation, what the
+value sees). Both learners are trained with `--seeds` seeds (default 3); their AUCs
+are the seeds' mean with their range, the baselines (fitted by L-BFGS from zero)
+have one value. The last column is the value network's mean first-step AUC minus
+the better baseline's: the issue's target is +0.05 on every source. Its interval is
+a paired bootstrap over the test episodes (the seeds' scores and the better
+baseline's resampled together): a gap whose interval holds 0 is not one the test
+split can tell from chance.
 
 Default budget: InterCode SQL subsampled to 400 episodes (stable: by a salted hash of
 the episode id), texts cut to 128 tokens; `--full` uses everything at 256.
@@ -55,25 +59,14 @@ BUDGETS = {
 }
 
 
-def roc_auc(scores, labels) -> float:
-    """ROC AUC = P(score of a random success > score of a random failure), ties counted half (Mann-Whitney)."""
-    import numpy as np
-    from scipy.stats import rankdata
-
-    scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=bool)
-    n_pos, n_neg = int(labels.sum()), int((~labels).sum())
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    ranks = rankdata(scores)
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg))
-
-
 def auc_difference_interval(
     scores: list, baseline, labels, resamples: int = 2000, level: float = 0.95, seed: int = 0
 ) -> tuple[float, float]:
     """Paired percentile bootstrap interval of `mean_seeds AUC(scores) - AUC(baseline)` over the test episodes:
     each draw resamples the episodes once for every score (a draw with one class only is redrawn)."""
     import numpy as np
+
+    from offline_agent.learn.confidence import roc_auc
 
     labels = np.asarray(labels, dtype=bool)
     rng = np.random.default_rng(seed)
@@ -147,8 +140,10 @@ def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int, mc_wei
     import numpy as np
     import torch
 
+    from offline_agent.learn.confidence import roc_auc
     from offline_agent.learn.cql import CQLConfig, train_cql
-    from offline_agent.learn.features import build_features, step_candidates
+    from offline_agent.learn.features import build_features
+    from offline_agent.learn.value import ValueConfig, predicted_returns, train_value
     from offline_agent.text.states import StateSettings
 
     t0 = time.perf_counter()
@@ -163,28 +158,25 @@ def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int, mc_wei
     step_label = features.episode_success[features.episode_index[steps]]
     steps, step_label = steps[~step_label.isnan()], step_label[~step_label.isnan()].bool().numpy()
     state = features.state_emb[test]
-    aucs = {"q_logged": [], "q_max": [], "per_step": []}
-    seed_scores = []  # (test,) Q(s0, a0) of each seed, for the interval of the difference
+    aucs = {"value": [], "value_steps": [], "q_logged": [], "q_steps": []}
+    seed_scores = []  # (test,) the value network's predicted return at s0 for each seed, for the gap's interval
     for seed in range(seeds):
         t = time.perf_counter()
+        # The value network as `train` trains it beside every policy (learn/value.py), with CQL's budget.
+        value, _ = train_value(features, ValueConfig(steps=budget["steps"], batch_size=budget["batch_size"],
+                                                     hidden=budget["hidden"], gamma=features.gamma, seed=seed))
         # Ungrounded: the score is Q(s0, a0) of the state and action texts alone (see the README's table).
         network, _ = train_cql(features, CQLConfig(steps=budget["steps"], batch_size=budget["batch_size"],
                                                    hidden=budget["hidden"], seed=seed, grounding=False,
                                                    mc_weight=mc_weight))
-        log(f"  CQL seed {seed}, {budget['steps']} steps in {time.perf_counter() - t:.0f}s")
+        log(f"  seed {seed}: value network and CQL, {budget['steps']} steps each, in {time.perf_counter() - t:.0f}s")
         with torch.no_grad():
-            q_logged = logged_q(network, features, test)
-            ids, mask = step_candidates(features, test)
-            q_max = torch.stack([
-                network.q_values(state[i : i + 1], features.action_emb[ids[i : i + 1].clamp(min=0)], mask[i : i + 1])
-                .max()
-                for i in range(len(test))
-            ])
-            q_steps = logged_q(network, features, steps)
-        aucs["q_logged"].append(roc_auc(q_logged.numpy(), label))
-        seed_scores.append(q_logged.numpy())
-        aucs["q_max"].append(roc_auc(q_max.numpy(), label))
-        aucs["per_step"].append(roc_auc(q_steps.numpy(), step_label))
+            first_value = predicted_returns(value, features, test).numpy()
+            aucs["value"].append(roc_auc(first_value, label))
+            aucs["value_steps"].append(roc_auc(predicted_returns(value, features, steps).numpy(), step_label))
+            aucs["q_logged"].append(roc_auc(logged_q(network, features, test).numpy(), label))
+            aucs["q_steps"].append(roc_auc(logged_q(network, features, steps).numpy(), step_label))
+        seed_scores.append(first_value)
     # The task-only baseline: the task text's embedding (the encoder's cache makes this cheap).
     from offline_agent.dataset import TrajectoryDataset
     from offline_agent.text.cache import CACHE_DIRNAME, EmbeddingCache
@@ -212,9 +204,9 @@ def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int, mc_wei
         return f"{np.mean(values):.3f} [{min(values):.3f}, {max(values):.3f}]"
 
     return [
-        name, f"{len(test)} ({int(label.sum())} successes)", spread(aucs["q_logged"]), spread(aucs["q_max"]),
-        spread(aucs["per_step"]), f"{p_task:.3f}", f"{p_state:.3f}",
-        f"{np.mean(aucs['q_logged']) - max(p_task, p_state):+.3f} [{low:+.3f}, {high:+.3f}]",
+        name, f"{len(test)} ({int(label.sum())} successes)", spread(aucs["value"]), spread(aucs["value_steps"]),
+        spread(aucs["q_logged"]), spread(aucs["q_steps"]), f"{p_task:.3f}", f"{p_state:.3f}",
+        f"{np.mean(aucs['value']) - max(p_task, p_state):+.3f} [{low:+.3f}, {high:+.3f}]",
     ]
 
 
@@ -263,20 +255,22 @@ def main() -> None:
                         args.mc_weight))
     b = budget
     table = (
-        f"ROC AUC of each score for the success of held-out episodes (30% test split); CQL's: the mean of "
-        f"{args.seeds} seeds [their range]; per step: Q(s_t, a_t) of every test step against its episode's success. "
-        f"CQL: {b['steps']} steps"
-        + (f", Monte-Carlo auxiliary loss weight {args.mc_weight:g}" if args.mc_weight else "") + ", "
-        f"batch {b['batch_size']}, hidden {b['hidden']}, states of k = {b['k']} turns, "
+        f"ROC AUC of each score for the success of held-out episodes (30% test split), each the mean of {args.seeds} "
+        "seeds [their range]. The value network: the logs' value that `train` fits beside every policy "
+        "(learn/value.py), its predicted return of the logged first step, and of every test step against its "
+        "episode's success (per step); CQL: Q(s, a) of the logged action, the same two ways. "
+        f"Both: {b['steps']} steps, batch {b['batch_size']}, hidden {b['hidden']}"
+        + (f"; CQL with a Monte-Carlo auxiliary loss of weight {args.mc_weight:g}" if args.mc_weight else "")
+        + f"; states of k = {b['k']} turns, "
         + (f"whole-text state vectors (a text cut to {b['max_length']} tokens)" if args.whole_text
            else f"per-turn state vectors (each block cut to {b['max_length']} tokens)")
         + (f", at most {b['max_episodes']} episodes per source" if b["max_episodes"] else "")
-        + ". The last column's interval: a paired bootstrap over the test episodes (2000 draws) against the "
-        "baseline that is better on the whole split. "
+        + ". The last column: the value network's first-step AUC minus the better baseline's, with a paired "
+        "bootstrap interval over the test episodes (2000 draws). "
         + f"Total {(time.perf_counter() - start) / 60:.1f} min.\n\n"
-        + markdown_table(["logs", "test episodes", "CQL Q(s0, a0)", "CQL max_a Q(s0, a)", "CQL Q(s, a) per step",
-                          "task-only logistic regression", "first-state logistic regression",
-                          "CQL Q(s0, a0) - best baseline [95% interval]"], rows)
+        + markdown_table(["logs", "test episodes", "value network, first step", "value network, per step",
+                          "CQL Q(s0, a0)", "CQL Q(s, a) per step", "task-only logistic regression",
+                          "first-state logistic regression", "value network - best baseline [95% interval]"], rows)
     )
     some_sources = sorted(args.sources) != sorted(SLUGS)
     command = "python benchmarks/real_logs_auc.py" + (" --full" if args.full else "") + (

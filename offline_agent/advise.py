@@ -17,6 +17,11 @@ one-off queries; against the 256 most frequent it took 20 s, and the advice read
 
 The values are the learned Q's, so the advice is as good as the policy (check it with `evaluate --dataset`:
 its coverage says how far the policy strays from what the logs show).
+
+Beside them, each situation's predicted return: the mean, over its steps, of what the run's value network
+(`offline_agent.learn.value`, the logs' own agent's value, trained for prediction) expects the episode to
+return from there. It says where the logged agent's episodes are already lost; `evaluate --dataset` says
+how far to trust it (its ROC AUC for the held-out episodes' success).
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class Advice:
     instead: str  # the policy's most frequent other action there ("" where it always agreed)
     instead_share: float  # share of the disagreements that chose it
     episode_success: float  # success rate of the episodes these steps belong to (nan where unknown)
+    predicted_return: float = float("nan")  # mean predicted return of the logged steps (nan: no value network)
 
 
 def action_label(action: str, width: int = 60) -> str:
@@ -111,11 +117,13 @@ def group_advice(
     gap: np.ndarray,
     success: np.ndarray,
     labels: list[str],
+    predicted: np.ndarray | None = None,
 ) -> list[Advice]:
     """Advice per (tool, situation), largest value gap first (ties by steps, then name, so the order is stable).
 
     logged, chosen: (n,) action ids; gap: (n,) Q(chosen) - Q(logged); success: (n,) the step's episode's
-    success (nan unknown); labels: the action id -> readable text table.
+    success (nan unknown); labels: the action id -> readable text table; predicted: (n,) the value network's
+    predicted return of each logged step, or None.
     """
     groups: dict[tuple[str, str], list[int]] = {}
     for i, key in enumerate(zip(tools, where, strict=True)):
@@ -140,6 +148,7 @@ def group_advice(
                 instead="" if best is None else labels[best[0]],
                 instead_share=0.0 if best is None else best[1] / len(differs),
                 episode_success=float(known.mean()) if known.size else float("nan"),
+                predicted_return=float("nan") if predicted is None else float(predicted[idx].mean()),
             )
         )
     return sorted(out, key=lambda a: (-a.value_gap, -a.steps, a.tool, a.situation))
@@ -159,7 +168,8 @@ def advise(
     from offline_agent.errors import UserError
     from offline_agent.learn.features import SPLITS, build_features
     from offline_agent.learn.fqe import q_over
-    from offline_agent.learn.policy import Policy
+    from offline_agent.learn.policy import Policy, load_value_network
+    from offline_agent.learn.value import predicted_returns
 
     if alternatives < 1:
         raise UserError(f"--alternatives must be at least 1, got {alternatives}")
@@ -188,9 +198,11 @@ def advise(
     tools = [action_kind(columns["tool_name"][i], features.vocab[a]) for i, a in zip(r, logged.tolist(), strict=True)]
     success = features.episode_success.numpy()[features.episode_index.numpy()[r]]
     labels = [action_label(text) for text in features.vocab]
+    value_network = load_value_network(run, device)
+    predicted = None if value_network is None else predicted_returns(value_network, features, rows).numpy()
     return group_advice(
         tools, situations(step, previous_error[r]), logged.numpy(), chosen.numpy(), gap.numpy(),
-        success.astype(np.float64), labels,
+        success.astype(np.float64), labels, predicted,
     )
 
 

@@ -549,8 +549,13 @@ def train_command(
     ),
     mc_weight: float = typer.Option(
         0.0, "--mc-weight", help="cql: weight of an auxiliary regression of the logged action's Q on its "
-        "Monte-Carlo return (long episodes, few of them: real logs); for values and advice, not for a policy to "
-        "deploy: at 5 it cut the simulators' greedy success below the logs' own [default: 0 = off]"
+        "Monte-Carlo return; not for a policy to deploy: at 5 it cut the simulators' greedy success below the "
+        "logs' own (to predict outcomes, the value network of --value-head does it apart) [default: 0 = off]"
+    ),
+    value_head: bool = typer.Option(
+        True, "--value-head/--no-value-head", help="also train the logs' value network: the logged agent's "
+        "expected return from each step, regressed on the logs' returns, apart from the policy (what `advise` "
+        "predicts returns with and `evaluate --dataset` scores for success)"
     ),
     tune_encoder_layers: int = typer.Option(
         0, "--tune-encoder-layers", help="cql/bc: fine-tune the encoder's top N layers with the loss [default: 0]"
@@ -603,7 +608,7 @@ def train_command(
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
         encoder=encoder, state_settings=state_settings, overwrite=overwrite,
-        progress=sys.stderr.isatty(), settings=settings,
+        progress=sys.stderr.isatty(), settings=settings, value_head=value_head,
     )
     final = ", ".join(f"{name} {value:.4f}" for name, value in result.final_metrics.items() if name != "step")
     console.print(
@@ -688,6 +693,8 @@ def evaluate_command(
 
 
 def _fqe_summary(f: dict) -> str:
+    import math
+
     from offline_agent.evaluate import fqe_doubts
 
     low, high = f["fqe_ci95"]
@@ -698,7 +705,14 @@ def _fqe_summary(f: dict) -> str:
         f"logged in one of the {f['coverage_k']} most similar states"
     )
     doubts = fqe_doubts(f["coverage"], f["episodes"])
-    return line + (f". Do not act on this value: {'; '.join(doubts)}" if doubts else "")
+    line += f". Do not act on this value: {'; '.join(doubts)}" if doubts else ""
+    if f.get("value_auc") is not None and math.isfinite(f["value_auc"]):
+        low, high = f["value_auc_ci95"]
+        line += (
+            f"\nThe logs' value predicts these episodes' success with ROC AUC {f['value_auc']:.3f} (95% CI "
+            f"{low:.3f}-{high:.3f}) at their first step, {f['value_auc_per_step']:.3f} over every step (0.5 = chance)"
+        )
+    return line
 
 
 @app.command("advise")
@@ -732,13 +746,17 @@ def advise_command(
         sys.stdout.write(json.dumps([asdict(a) for a in advice]) + "\n")
         return
     table = Table(title=f"Where {run} disagrees with the logs of {dataset}", title_justify="left")
-    for column in ("tool", "situation", "steps", "disagrees", "value gap", "instead", "episode success"):
-        table.add_column(column, justify="right" if column in ("steps", "disagrees", "value gap") else "left")
+    numbers = ("steps", "disagrees", "value gap", "predicted return")
+    columns = ("tool", "situation", "steps", "disagrees", "value gap", "instead", "episode success", "predicted return")
+    for column in columns:
+        table.add_column(column, justify="right" if column in numbers else "left")
     for a in advice[:top]:
         success = "n/a" if math.isnan(a.episode_success) else f"{a.episode_success:.0%}"
+        predicted = "n/a" if math.isnan(a.predicted_return) else f"{a.predicted_return:.2f}"
         instead = f"{a.instead} ({a.instead_share:.0%})" if a.instead else ""
         table.add_row(
-            a.tool, a.situation, str(a.steps), f"{a.disagreement_rate:.0%}", f"{a.value_gap:.2f}", instead, success
+            a.tool, a.situation, str(a.steps), f"{a.disagreement_rate:.0%}", f"{a.value_gap:.2f}", instead, success,
+            predicted,
         )
     _stdout().print(table)
     shown = min(top, len(advice))

@@ -221,10 +221,17 @@ class OffPolicyReport:
     fqe_runs: int = 1  # FQE fits, one per seed
     coverage: float = math.nan  # share of the policy's choices logged in one of the k most similar states
     coverage_k: int = 10
+    # How well the run's value network (learn/value.py) predicts the split's episodes' success: ROC AUC of the
+    # first step's predicted return with a bootstrap interval over the episodes, and of every step's; nan for a
+    # run without one or a split without both outcomes.
+    value_auc: float = math.nan
+    value_auc_ci95: tuple[float, float] = (math.nan, math.nan)
+    value_auc_per_step: float = math.nan
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["fqe_ci95"] = list(self.fqe_ci95)
+        out["value_auc_ci95"] = list(self.value_auc_ci95)
         out["doubts"] = fqe_doubts(self.coverage, self.episodes)
         return out
 
@@ -276,7 +283,7 @@ def off_policy_value(
     from offline_agent.learn.confidence import action_coverage, bootstrap_interval
     from offline_agent.learn.features import SPLITS, build_features
     from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation, policy_distribution
-    from offline_agent.learn.policy import Policy
+    from offline_agent.learn.policy import Policy, load_value_network
 
     if runs < 1:
         raise UserError(f"--fqe-runs must be at least 1, got {runs}")
@@ -305,6 +312,8 @@ def off_policy_value(
         coverage = action_coverage(
             features.state_emb[rows], chosen, features.state_emb[logged], features.action_id[logged], coverage_k
         )
+    value_network = load_value_network(run, device)
+    value_auc = ValueAUC() if value_network is None else value_auc_on(value_network, features, split, seed)
     return OffPolicyReport(
         policy=f"{policy.algo} ({run})",
         dataset=str(dataset),
@@ -317,4 +326,35 @@ def off_policy_value(
         fqe_runs=runs,
         coverage=coverage,
         coverage_k=coverage_k,
+        value_auc=value_auc.first_step,
+        value_auc_ci95=value_auc.ci95,
+        value_auc_per_step=value_auc.per_step,
     )
+
+
+@dataclass(frozen=True)
+class ValueAUC:
+    """ROC AUC of a value network's predicted returns for episode success (nan where it cannot be told)."""
+
+    first_step: float = math.nan
+    ci95: tuple[float, float] = (math.nan, math.nan)
+    per_step: float = math.nan
+
+
+def value_auc_on(network: Any, features: Any, split: str, seed: int = 0) -> ValueAUC:
+    """How well `network`'s predicted returns (`learn/value.py`) tell the `split`'s successful episodes from the
+    others: at each episode's first step (with a bootstrap interval over the episodes) and at every step."""
+    import torch
+
+    from offline_agent.learn.confidence import auc_interval, roc_auc
+    from offline_agent.learn.value import predicted_returns
+
+    def scored(rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        success = features.episode_success[features.episode_index[rows]].numpy()
+        known = ~np.isnan(success)
+        return predicted_returns(network, features, rows[torch.from_numpy(known)]).numpy(), success[known] > 0.5
+
+    first, first_success = scored(features.first_rows(split))
+    steps, step_success = scored(features.rows(split))
+    return ValueAUC(roc_auc(first, first_success), auc_interval(first, first_success, seed=seed),
+                    roc_auc(steps, step_success))

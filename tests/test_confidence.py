@@ -1,5 +1,5 @@
-"""How sure an off-policy estimate is: the bootstrap interval and the logs' coverage of the policy, on
-hand-built cases whose answers are known exactly."""
+"""How sure an off-policy estimate is: the bootstrap interval and the logs' coverage of the policy; how well a
+value predicts success: ROC AUC and its interval. On hand-built cases whose answers are known exactly."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from offline_agent.learn.confidence import action_coverage, bootstrap_interval
+from offline_agent.learn.confidence import action_coverage, auc_interval, bootstrap_interval, roc_auc
+
+LABELS = np.array([1, 0, 1, 1, 0, 0, 1, 0, 1, 0], dtype=bool)
 
 
 def test_the_interval_of_identical_values_is_that_value():
@@ -85,3 +87,29 @@ def test_fqe_fits_on_resamples_differ_and_value_every_test_episode():
     assert torch.equal(whole.episode_values, again.episode_values)  # the split alone: the seed decides
     assert resampled.episode_values.shape == whole.episode_values.shape == (whole.episodes,)
     assert not torch.equal(resampled.episode_values, whole.episode_values)
+
+
+def test_auc_counts_ties_half():
+    assert roc_auc([0.9, 0.1, 0.8, 0.7, 0.2, 0.3, 0.6, 0.4, 0.5, 0.0], LABELS) == 1.0
+    assert roc_auc(np.zeros(10), LABELS) == 0.5
+    assert roc_auc([0.2, 0.1], [True, False]) == 1.0 and np.isnan(roc_auc([0.2, 0.1], [True, True]))
+    # 3 successes, 2 failures: of the 6 (success, failure) pairs, 4 ordered right and 1 tie -> 4.5 / 6
+    assert roc_auc([0.9, 0.5, 0.5, 0.1, 0.7], [True, True, False, False, False]) == 0.75
+
+
+def test_the_auc_interval_is_exact_where_every_resample_agrees():
+    ordered = np.where(LABELS, 1.0, 0.0) + np.linspace(0.0, 0.1, 10)
+    assert auc_interval(ordered, LABELS, resamples=200) == (1.0, 1.0)
+    assert auc_interval(-ordered, LABELS, resamples=200) == (0.0, 0.0)
+    assert auc_interval(np.zeros(10), LABELS, resamples=200) == (0.5, 0.5)
+    assert all(np.isnan(auc_interval(ordered, np.ones(10, dtype=bool))))
+
+
+def test_the_auc_interval_holds_the_auc_and_is_reproducible():
+    rng = np.random.default_rng(0)
+    labels = rng.random(80) < 0.5
+    scores = labels + rng.normal(0.0, 1.0, 80)
+    low, high = auc_interval(scores, labels, seed=1)
+    assert 0.5 < low < roc_auc(scores, labels) < high < 1.0
+    assert 0.1 < high - low < 0.3  # 80 episodes: a standard error near 0.05
+    assert auc_interval(scores, labels, seed=1) == (low, high)

@@ -305,3 +305,21 @@ def test_a_run_cut_at_k_iterations_is_the_longer_runs_first_k(tiny, tmp_path):
         return pl.read_parquet(out / "metrics.parquet").select([c for c in METRICS if not c.startswith("time/")])
 
     assert run(tmp_path / "short", 2).equals(run(tmp_path / "long", 3).head(2))
+
+
+def test_a_fine_tuned_run_keeps_the_logs_value_network(tiny, tmp_path):
+    from offline_agent.learn.networks import FactorisedQNetwork
+    from offline_agent.learn.policy import load_checkpoint, load_value_network, save_checkpoint
+
+    network, meta = load_checkpoint(tiny["run"])
+    meta = {k: v for k, v in meta.items() if k not in ("format", "format_version", "network")}
+    torch.manual_seed(1)
+    value = FactorisedQNetwork(network.dim, 16, n_heads=1)
+    save_checkpoint(tmp_path / "offline", network, meta, value_network=value)
+    config = PPOConfig(iterations=1, num_envs=2, num_steps=16, vector="sync")
+    finetune(tmp_path / "offline", WIDGET, tmp_path / "ft", config)
+    kept = load_value_network(tmp_path / "ft")
+    assert kept is not None and kept.config() == value.config()
+    for name, tensor in value.state_dict().items():
+        assert torch.equal(kept.state_dict()[name], tensor), name
+    assert load_value_network(tiny["run"]) is None  # written without one: a fine-tune of it has none either

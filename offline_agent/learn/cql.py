@@ -116,7 +116,7 @@ class CQLConfig(EncoderTuningSettings):
 
 
 def check_common(config: Any) -> None:
-    """Checks every learner's config shares (steps, batch size, learning rate, gamma, tau, device)."""
+    """Checks every learner's config shares (steps, batch size, learning rate, gamma, tau if it has one, device)."""
     if config.steps < 1:
         raise UserError(f"steps must be >= 1, got {config.steps}; e.g. --steps 2000")
     if config.batch_size < 1:
@@ -125,7 +125,7 @@ def check_common(config: Any) -> None:
         raise UserError(f"learning_rate must be > 0, got {config.learning_rate}; e.g. 3e-4")
     if not 0.0 <= config.gamma <= 1.0:
         raise UserError(f"gamma must be in [0, 1], got {config.gamma}; e.g. 0.99")
-    if not config.tau > 0:
+    if hasattr(config, "tau") and not config.tau > 0:  # the value network (`value.py`) has no policy
         raise UserError(f"tau (policy temperature) must be > 0, got {config.tau}; e.g. 0.1, or 1.0 for BC")
     if not (config.device == "cpu" or config.device.startswith("cuda")):
         raise UserError(f"device must be cpu, cuda or cuda:N, got {config.device!r}")

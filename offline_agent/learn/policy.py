@@ -7,6 +7,9 @@ A checkpoint is two files in a run folder:
                          max_length, observation_view), the state settings (k, max_tokens, keep_opening,
                          observation_view: `StateSettings.to_meta`), tau, training summary
 
+and, for a run trained with a value network (`offline_agent.learn.value`; `value_network` in the JSON holds
+its constructor arguments), `value.safetensors`; and for one with a tuned encoder, `encoder.safetensors`.
+
 Both are written to temporary names and renamed, the JSON last, so a reader
 sees a whole checkpoint or none. `Policy.load` rebuilds the network from the
 JSON, loads the tensors, and refuses (UserError) an encoder other than the one
@@ -60,6 +63,7 @@ if TYPE_CHECKING:
 FORMAT = "offline-agent-policy"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "policy.safetensors"
+VALUE_FILE = "value.safetensors"
 CONFIG_FILE = "policy.json"
 
 
@@ -71,13 +75,15 @@ def save_checkpoint(
     network: torch.nn.Module,
     meta: dict[str, Any],
     encoder_layers: dict[str, torch.Tensor] | None = None,
+    value_network: torch.nn.Module | None = None,
 ) -> Path:
     """Write `policy.safetensors` and `policy.json` into `run_dir` atomically; returns the JSON's path.
 
     `meta` holds at least algo, encoder {id, path, dim, max_length}, tau and the state settings
     (`StateSettings.to_meta()`; a key left out reads as `StateSettings.from_meta` says).
     `encoder_layers` (a tuned encoder's top layers, `meta["encoder"]["tuned"]` says on which base) go to
-    `encoder.safetensors`, written before the JSON like the network's weights.
+    `encoder.safetensors`, written before the JSON like the network's weights, and so does `value_network`
+    (the logs' value, `offline_agent.learn.value`) to `value.safetensors`.
     """
     from offline_agent.learn.encoder_tuning import ENCODER_FILE
 
@@ -93,6 +99,12 @@ def save_checkpoint(
         save_file({name: t.detach().cpu().contiguous() for name, t in encoder_layers.items()}, str(encoder_tmp))
         os.replace(encoder_tmp, run_dir / ENCODER_FILE)
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta, "network": network.config()}
+    if value_network is not None:
+        value_tmp = run_dir / f".{VALUE_FILE}.tmp-{tag}"
+        save_file({name: t.detach().cpu().contiguous() for name, t in value_network.state_dict().items()},
+                  str(value_tmp))
+        os.replace(value_tmp, run_dir / VALUE_FILE)
+        config["value_network"] = value_network.config()
     config_tmp.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(weights_tmp, run_dir / WEIGHTS_FILE)
     os.replace(config_tmp, run_dir / CONFIG_FILE)  # last: the JSON marks a complete checkpoint
@@ -126,6 +138,14 @@ def checkpoint_dir(path: str | Path) -> Path:
 def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Module, dict[str, Any]]:
     """(network in eval mode, policy.json as a dict) of a checkpoint; safetensors only, nothing unpickled."""
     folder = checkpoint_dir(path)
+    meta = read_policy_json(folder)
+    network = build_network(meta["network"])
+    network.load_state_dict(load_file(str(folder / WEIGHTS_FILE)), strict=True)
+    return network.to(device).eval(), meta
+
+
+def read_policy_json(folder: Path) -> dict[str, Any]:
+    """policy.json of the run folder `folder`, checked to be a checkpoint of this format."""
     try:
         meta = json.loads((folder / CONFIG_FILE).read_text())
     except json.JSONDecodeError as exc:
@@ -135,9 +155,22 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Mod
             f"{folder / CONFIG_FILE} is not an {FORMAT} v{FORMAT_VERSION} checkpoint "
             f"(format {meta.get('format')!r} v{meta.get('format_version')!r}): retrain with this offline-agent"
         )
-    network = build_network(meta["network"])
-    network.load_state_dict(load_file(str(folder / WEIGHTS_FILE)), strict=True)
-    return network.to(device).eval(), meta
+    return meta
+
+
+def load_value_network(path: str | Path, device: str = "cpu") -> torch.nn.Module | None:
+    """The value network of a run (`offline_agent.learn.value`) in eval mode, or None for a run trained without
+    one (`--no-value-head`, or before it existed)."""
+    folder = checkpoint_dir(path)
+    meta = read_policy_json(folder)
+    if "value_network" not in meta:
+        return None
+    if not (folder / VALUE_FILE).is_file():
+        raise UserError(f"{folder / VALUE_FILE} is missing: this run was trained with a value network; copy the whole "
+                        "run folder")
+    network = build_network(meta["value_network"])
+    network.load_state_dict(load_file(str(folder / VALUE_FILE)), strict=True)
+    return network.to(device).eval()
 
 
 def encoder_for(

@@ -9,7 +9,10 @@ A run folder holds
 
 The dataset becomes tensors once (`build_features`, through the dataset's
 embedding cache), then one learner runs: `cql` (ours), `bc`, `filtered-bc`
-(top 20% of episodes by return unless configured) or `d3rlpy-cql`.
+(top 20% of episodes by return unless configured) or `d3rlpy-cql`. Beside the
+policy, unless `value_head=False`, the logs' value network trains on the same
+features for as many steps (`offline_agent.learn.value`; `value.safetensors`):
+what `advise` and `evaluate --dataset` predict returns and success with.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from offline_agent.learn.d3rlpy_bridge import D3rlpyCQLConfig, train_d3rlpy_cql
 from offline_agent.learn.encoder_tuning import EncoderTuner
 from offline_agent.learn.features import Features, build_features
 from offline_agent.learn.policy import CONFIG_FILE, save_checkpoint
+from offline_agent.learn.value import ValueConfig, train_value
 from offline_agent.text.states import StateSettings
 
 ALGOS = ("cql", "bc", "filtered-bc", "d3rlpy-cql")
@@ -119,6 +123,7 @@ def train(
     progress: bool = False,
     settings: dict[str, Any] | None = None,
     features: Features | None = None,
+    value_head: bool = True,
 ) -> TrainResult:
     """Train `algo` on `dataset` and write the run folder `out` (see the module docstring).
 
@@ -127,6 +132,8 @@ def train(
     recorded in policy.json; with the observation view the encoder embeds each state's current observation
     as a second view (`TextEncoder`). `settings` passes any other field of the algorithm's config (e.g.
     {"cal_ql": True}); `features` skips embedding when the caller already built them (benchmarks).
+    `value_head` trains the logs' value network too (`offline_agent.learn.value`), with the algorithm's steps,
+    batch size, discount, seed and device.
     """
     from offline_agent.dataset import TrajectoryDataset
 
@@ -168,6 +175,16 @@ def train(
     with _progress_bar(progress, config.steps, algo) as on_step:
         network, history = run_algorithm(algo, features, config, on_step, tuner)
     seconds = time.perf_counter() - start
+    value_network, value_summary = None, None
+    if value_head:
+        value_config = ValueConfig(
+            steps=config.steps, batch_size=config.batch_size, gamma=config.gamma, seed=config.seed, device=config.device
+        )
+        value_start = time.perf_counter()
+        with _progress_bar(progress, value_config.steps, "value") as on_step:
+            value_network, value_history = train_value(features, value_config, on_step)
+        history = merge_by_step(history, value_history)
+        value_summary = {"config": asdict(value_config), "train_seconds": round(time.perf_counter() - value_start, 3)}
 
     out.mkdir(parents=True, exist_ok=True)
     metrics = write_metrics(out, history)
@@ -193,7 +210,8 @@ def train(
         "dataset": {"path": str(ds.path), "name": ds.name, "fingerprint": ds.meta.get("fingerprint")},
         "config": asdict(config),
     }
-    save_checkpoint(out, network, meta, encoder_layers=tuner.layer_state() if tuner is not None else None)
+    encoder_layers = tuner.layer_state() if tuner is not None else None
+    save_checkpoint(out, network, meta, encoder_layers=encoder_layers, value_network=value_network)
     final = {name: v for name, v in (history[-1] if history else {}).items() if v is not None}
     summary = {
         **meta,
@@ -202,6 +220,7 @@ def train(
         "steps_per_second": round(config.steps / seconds, 2) if seconds > 0 else None,
         "embedding_cache": {"hits": features.cache_hits, "misses": features.cache_misses},
         "encoder_tuning": tuning,
+        "value_network": value_summary,
         "final_metrics": final,
     }
     _write_json(out / SUMMARY_FILE, summary)
@@ -213,6 +232,15 @@ def _check_same_settings(built: StateSettings, wanted: StateSettings) -> None:
     if differ:
         said = [", ".join(f"{name}={getattr(s, name)}" for name in differ) for s in (built, wanted)]
         raise ValueError(f"features were built with {said[0]}, not {said[1]}: pass the features' state settings")
+
+
+def merge_by_step(history: list[dict[str, float]], other: list[dict[str, float]]) -> list[dict[str, float]]:
+    """Metric rows of two trainings over the same steps as one row per step (a step one of them did not log
+    has no value there), in step order."""
+    rows: dict[int, dict[str, float]] = {}
+    for record in [*history, *other]:
+        rows.setdefault(int(record["step"]), {}).update(record)
+    return [rows[step] for step in sorted(rows)]
 
 
 def write_metrics(run_dir: Path, history: list[dict[str, float]]) -> pl.DataFrame:
@@ -278,7 +306,7 @@ class _progress_bar:
 
         def on_step(step: int, record: dict[str, float] | None) -> None:
             if record is not None:
-                loss = next((v for k, v in record.items() if k.startswith("loss/") and v is not None), None)
+                loss = next((v for k, v in record.items() if "loss" in k.split("/") and v is not None), None)
                 self.bar.update(task, completed=step, loss=f"loss {loss:.4f}" if loss is not None else "")
             elif step % 10 == 0:
                 self.bar.update(task, completed=step)

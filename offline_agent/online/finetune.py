@@ -110,7 +110,14 @@ def finetune(
     `ray_actors` Ray actors (`RayVectorEnv`; `ray_address` as in `offline_agent.ray_backend`) while the policy
     learns here; the run is the same as with the local backend (validation episodes still play here).
     """
-    from offline_agent.learn.policy import CONFIG_FILE, Policy, checkpoint_dir, save_checkpoint, tuned_layers
+    from offline_agent.learn.policy import (
+        CONFIG_FILE,
+        Policy,
+        checkpoint_dir,
+        load_value_network,
+        save_checkpoint,
+        tuned_layers,
+    )
 
     config = config or PPOConfig()
     if check_backend(backend) == "ray":
@@ -173,6 +180,8 @@ def finetune(
             meta = _policy_meta(reference, env, config, safety_filter, source, trainer.tau)
             # A policy over a tuned encoder carries its layers along: the fine-tuned one plays with them too.
             encoder_layers = tuned_layers(source, reference.meta)
+            # The logs' value (`learn/value.py`) does not change with the policy: the fine-tuned run keeps it.
+            value_network = load_value_network(source)
             with _progress(progress, config.iterations, trainer.iteration) as advance:
                 while trainer.iteration < config.iterations:
                     row = trainer.train_iteration()
@@ -185,11 +194,11 @@ def finetune(
                     advance(row)
                     if trainer.iteration % config.checkpoint_every == 0 or trainer.iteration == config.iterations:
                         if selector is None:
-                            save_checkpoint(out, trainer.model.policy_head, meta, encoder_layers)
+                            save_checkpoint(out, trainer.model.policy_head, meta, encoder_layers, value_network)
                         else:
                             assert selector.kept_head is not None
                             kept_meta = {**meta, "validation": selector.describe()}
-                            save_checkpoint(out, selector.kept_head, kept_meta, encoder_layers)
+                            save_checkpoint(out, selector.kept_head, kept_meta, encoder_layers, value_network)
                         save_state(state_path, trainer, identity, selector)
         finally:
             trainer.close()
@@ -224,7 +233,8 @@ def _policy_meta(
 ) -> dict[str, Any]:
     """policy.json of the fine-tuned policy: the reference's (encoder, renderer) plus where it came from, at the
     temperature `tau` the trainer played it at (its logits are Q / tau)."""
-    meta = {k: v for k, v in reference.meta.items() if k not in ("format", "format_version", "network")}
+    skip = ("format", "format_version", "network", "value_network")  # value_network: its weights are saved apart
+    meta = {k: v for k, v in reference.meta.items() if k not in skip}
     meta.update(
         algo="ppo",
         finetuned_from={"path": str(source), "algo": reference.meta.get("algo"), "tau": reference.meta.get("tau")},
