@@ -555,7 +555,7 @@ def train_command(
     value_head: bool = typer.Option(
         True, "--value-head/--no-value-head", help="also train the logs' value network: the logged agent's "
         "expected return from each step, regressed on the logs' returns, apart from the policy (what `advise` "
-        "predicts returns with and `evaluate --dataset` scores for success)"
+        "predicts returns with and `evaluate --dataset` scores for success; not with --tune-encoder-layers)"
     ),
     tune_encoder_layers: int = typer.Option(
         0, "--tune-encoder-layers", help="cql/bc: fine-tune the encoder's top N layers with the loss [default: 0]"

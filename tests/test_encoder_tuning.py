@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from offline_agent.errors import UserError
 from offline_agent.learn.encoder_tuning import ENCODER_FILE, EncoderTop, TokenStates, additive_mask, token_states
-from offline_agent.learn.policy import Policy
+from offline_agent.learn.policy import Policy, load_value_network
 from offline_agent.learn.train import train
 from offline_agent.text.states import StateSettings
 from offline_agent.text.tuning import LAYER_PREFIX, tuned_encoder_id, weights_digest
@@ -122,6 +122,8 @@ def test_a_tuned_run_saves_its_layers_and_plays_with_them(algo, lora_rank, actio
     summary = json.loads((result.run_dir / "train.json").read_text())
     assert summary["encoder_tuning"]["layers"] == 1 and summary["encoder_tuning"]["state_texts"] > 0
     assert summary["encoder_tuning"]["action_gradient"] is action_gradient
+    # No value network: it would learn on the frozen vectors and be scored on the tuned ones.
+    assert "skipped" in summary["value_network"] and load_value_network(result.run_dir) is None
 
 
 @pytest.mark.parametrize("action_gradient", [False, True])

@@ -75,8 +75,10 @@ def test_scores_come_in_chunks_as_in_one_batch(color_lock_value):
 
 def test_a_run_saves_it_and_reads_it_back(one_torch_thread):
     run = learn_data.pipeline_run()["run"]
+    rng = torch.get_rng_state()
     network = load_value_network(run)
     assert network is not None and network.n_heads == 1
+    assert torch.equal(torch.get_rng_state(), rng)  # reading it draws nothing: a resumed fine-tune stays exact
     _, meta = load_checkpoint(run)
     assert meta["value_network"] == network.config()
     import polars as pl

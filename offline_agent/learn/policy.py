@@ -168,7 +168,8 @@ def load_value_network(path: str | Path, device: str = "cpu") -> torch.nn.Module
     if not (folder / VALUE_FILE).is_file():
         raise UserError(f"{folder / VALUE_FILE} is missing: this run was trained with a value network; copy the whole "
                         "run folder")
-    network = build_network(meta["value_network"])
+    with torch.random.fork_rng(devices=[]):  # its random init is overwritten: reading it leaves the RNG as it was
+        network = build_network(meta["value_network"])
     network.load_state_dict(load_file(str(folder / VALUE_FILE)), strict=True)
     return network.to(device).eval()
 

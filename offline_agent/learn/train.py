@@ -133,7 +133,7 @@ def train(
     as a second view (`TextEncoder`). `settings` passes any other field of the algorithm's config (e.g.
     {"cal_ql": True}); `features` skips embedding when the caller already built them (benchmarks).
     `value_head` trains the logs' value network too (`offline_agent.learn.value`), with the algorithm's steps,
-    batch size, discount, seed and device.
+    batch size, discount, seed and device (not with a tuned encoder: it learns on fixed vectors).
     """
     from offline_agent.dataset import TrajectoryDataset
 
@@ -176,7 +176,10 @@ def train(
         network, history = run_algorithm(algo, features, config, on_step, tuner)
     seconds = time.perf_counter() - start
     value_network, value_summary = None, None
-    if value_head:
+    if value_head and tuner is not None:
+        # It would learn on the frozen encoder's vectors and be scored on the tuned one's.
+        value_summary = {"skipped": "a run with a tuned encoder has no value network"}
+    elif value_head:
         value_config = ValueConfig(
             steps=config.steps, batch_size=config.batch_size, gamma=config.gamma, seed=config.seed, device=config.device
         )
