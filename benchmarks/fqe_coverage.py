@@ -11,7 +11,9 @@ episodes and the fits, and the coverage of the policy's choices by the logs).
 The truth is the same greedy policy played in the simulator on `--episodes`
 fresh episodes: its mean discounted return (gamma of the run), with a 95%
 normal interval of its own. "Covers" means the FQE interval contains the
-simulated mean.
+simulated mean. Beside it, evaluate's bounds (`--fqe-bounds`, the default):
+the same fits assuming the logs' lowest, then highest return wherever the logs
+do not show the policy's choice near a state, and whether they contain it.
 
 Everything is cached under `--workdir` (logs, datasets with their embedding
 caches, runs, and each row's numbers), so `--tables-only` rebuilds the table.
@@ -69,7 +71,8 @@ def run_row(sim: str, logs: int, args: argparse.Namespace) -> dict:
     true, true_low, true_high = mean_interval([o.discounted_return for o in outcomes])
     row = {
         "sim": sim, "logs": logs, "test_episodes": report.episodes, "fqe": report.fqe_value,
-        "fqe_ci95": list(report.fqe_ci95), "coverage": report.coverage, "behaviour": report.behaviour_value,
+        "fqe_ci95": list(report.fqe_ci95), "fqe_bounds": list(report.fqe_bounds), "coverage": report.coverage,
+        "behaviour": report.behaviour_value,
         "true": true, "true_ci95": [true_low, true_high], "episodes": len(outcomes),
         "success": sum(o.success for o in outcomes) / len(outcomes), "seconds": time.perf_counter() - started,
     }
@@ -86,9 +89,11 @@ def table_row(row: dict) -> list[object]:
     t_low, t_high = row["true_ci95"]
     doubts = [fact for fact, _ in fqe_doubt_reasons(row["coverage"], row["test_episodes"])]  # evaluate's words
     trusted = f"no: {'; '.join(doubts)}" if doubts else "yes"
+    b_low, b_high = row.get("fqe_bounds", [math.nan, math.nan])
     return [
         row["sim"], row["logs"], row["test_episodes"], f"{row['fqe']:.3f} [{low:.3f}, {high:.3f}]",
         f"{row['true']:.3f} [{t_low:.3f}, {t_high:.3f}]", "yes" if covers(low, high, row["true"]) else "**no**",
+        f"[{b_low:.3f}, {b_high:.3f}]", "yes" if covers(b_low, b_high, row["true"]) else "**no**",
         f"{row['coverage']:.2f}", trusted, f"{row['behaviour']:.3f}",
     ]
 
@@ -120,6 +125,7 @@ def main() -> None:
                 continue
             rows.append(run_row(sim, logs, args))
     covered = sum(covers(*r["fqe_ci95"], r["true"]) for r in rows)
+    bounded = sum(covers(*r.get("fqe_bounds", [math.nan, math.nan]), r["true"]) for r in rows)
     table = (
         f"CQL (library defaults, seed 0) trained on N logged episodes of `{BEHAVIOUR}`; `evaluate --dataset`'s "
         f"FQE ({args.fqe_runs} fits, each on a bootstrap resample of the test split's episodes) on the dataset's test "
@@ -127,13 +133,16 @@ def main() -> None:
         f"same greedy policy's mean discounted return over {args.episodes} simulated episodes (95% normal "
         f"interval; seeds from {EVAL_SEED}). Coverage: the share of the policy's test-split choices logged in one "
         "of the 10 most similar states; below 0.5, or with a test split of fewer than 50 episodes, `evaluate` says "
-        "not to trust the value.\n\n"
+        "not to trust the value. Bounds: the same fits assuming the logs' lowest, then highest discounted "
+        "return wherever the policy's choice is not the logged action of one of the 10 most similar test-split "
+        "states (the 2.5% point of the first, the 97.5% point of the second).\n\n"
         + markdown_table(
             ["simulator", "logs", "test episodes", "FQE [95% interval]", "simulated [95% interval]", "covers",
-             "coverage", "trusted by evaluate", "behaviour (test logs)"],
+             "bounds", "bounds cover", "coverage", "trusted by evaluate", "behaviour (test logs)"],
             [table_row(r) for r in rows],
         )
-        + f"\n\nThe interval covers the simulated value in {covered} of {len(rows)} settings."
+        + f"\n\nThe interval covers the simulated value in {covered} of {len(rows)} settings, the bounds in "
+        f"{bounded}."
         + ("" if args.tables_only else f" Wall time {(time.perf_counter() - started) / 60:.1f} min.")
     )
     write_result("fqe_coverage", "Off-policy evaluation: does the FQE interval cover the true value?", table,

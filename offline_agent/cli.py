@@ -633,6 +633,11 @@ def evaluate_command(
         help="FQE fits (seeds SEED, SEED+1, ...), each on a bootstrap resample of the test episodes, so the "
         "interval covers the fit's dependence on them too; 1 fits the test split itself",
     ),
+    fqe_bounds: bool = typer.Option(
+        True, "--fqe-bounds/--no-fqe-bounds",
+        help="also fit FQE assuming the logs' lowest and then highest return wherever they do not show the "
+        "policy's choice near a state: the range its value lies in whatever it does there (3x the FQE time)",
+    ),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
     encoder_precision: str = typer.Option(
         "auto", "--encoder-precision",
@@ -670,7 +675,8 @@ def evaluate_command(
         ).to_dict()
     if dataset is not None:
         fqe = off_policy_value(
-            run, dataset, steps=fqe_steps, seed=seed, device=device, encoder=encoder, runs=fqe_runs
+            run, dataset, steps=fqe_steps, seed=seed, device=device, encoder=encoder, runs=fqe_runs,
+            bounds=fqe_bounds,
         )
         out["fqe"] = fqe.to_dict()
     if json_output:
@@ -704,6 +710,12 @@ def _fqe_summary(f: dict) -> str:
         f"for the logged behaviour (gamma {f['gamma']}); coverage {f['coverage']:.2f} of the policy's choices "
         f"logged in one of the {f['coverage_k']} most similar states"
     )
+    bounds = f.get("fqe_bounds") or [math.nan, math.nan]
+    if all(math.isfinite(b) for b in bounds):
+        line += (
+            f". Whatever the policy does where the logs do not show its choice, its value lies in "
+            f"{bounds[0]:.3f}-{bounds[1]:.3f} (95%)"
+        )
     doubts = fqe_doubts(f["coverage"], f["episodes"])
     line += f". Do not act on this value: {'; '.join(doubts)}" if doubts else ""
     if f.get("value_auc") is not None and math.isfinite(f["value_auc"]):

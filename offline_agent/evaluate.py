@@ -221,6 +221,9 @@ class OffPolicyReport:
     fqe_runs: int = 1  # FQE fits, one per seed
     coverage: float = math.nan  # share of the policy's choices logged in one of the k most similar states
     coverage_k: int = 10
+    # The value whatever the policy does where the logs do not show its choice: the 2.5% point of the fits that
+    # assume the logs' lowest return there and the 97.5% point of those that assume the highest (learn/fqe.py).
+    fqe_bounds: tuple[float, float] = (math.nan, math.nan)
     # How well the run's value network (learn/value.py) predicts the split's episodes' success: ROC AUC of the
     # first step's predicted return with a bootstrap interval over the episodes, and of every step's; nan for a
     # run without one or a split without both outcomes.
@@ -232,6 +235,7 @@ class OffPolicyReport:
         out = asdict(self)
         out["fqe_ci95"] = list(self.fqe_ci95)
         out["value_auc_ci95"] = list(self.value_auc_ci95)
+        out["fqe_bounds"] = list(self.fqe_bounds)
         out["doubts"] = fqe_doubts(self.coverage, self.episodes)
         return out
 
@@ -274,10 +278,13 @@ def off_policy_value(
     split: str = "test",
     runs: int = 3,
     coverage_k: int = 10,
+    bounds: bool = True,
 ) -> OffPolicyReport:
     """FQE estimate of a run's (greedy) policy on the held-out split of `dataset`, fitted `runs` times (seeds
     `seed`, `seed + 1`, ...), with a bootstrap 95% interval over the split's episodes and the runs, and the
-    coverage of the policy's choices by the logs of the other splits (`learn/confidence.py`)."""
+    coverage of the policy's choices by the logs of the other splits (`learn/confidence.py`). With `bounds`,
+    `runs` more fits each assume the logs' lowest and highest return where they do not show the policy's
+    choice, and bracket its value whatever it does there (`fqe_bounds`)."""
     import torch
 
     from offline_agent.learn.confidence import action_coverage, bootstrap_interval
@@ -290,19 +297,31 @@ def off_policy_value(
     policy = Policy.load(run, encoder=encoder, device=device)
     gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
     features = build_features(dataset, policy.encoder, policy.state_settings)
-    results = []
-    for r in range(runs):
-        # Several fits each see a bootstrap resample of the split's episodes: refitting is what shows how much
-        # the estimate owes to the few episodes a split holds (fits on the same episodes agree with each other
-        # however far off they are: their interval covered the truth in 2 of 6 settings, against 3 of 6 with
-        # resamples, docs/limits.md). One fit sees them all.
-        config = FQEConfig(
-            steps=steps, gamma=gamma, seed=seed + r, device=device, split=split, tau=policy.tau, resample=runs > 1
-        )
-        results.append(fitted_q_evaluation(features, policy.network, config))
-        if not math.isfinite(results[-1].value):
-            raise UserError("FQE diverged (non-finite value): try fewer --fqe-steps or a smaller learning rate")
-    values = np.stack([result.episode_values.numpy() for result in results])  # (runs, episodes)
+    fits: dict[str, list[Any]] = {}
+    for unlogged in ("extrapolate", "low", "high") if bounds else ("extrapolate",):
+        fits[unlogged] = []
+        for r in range(runs):
+            # Several fits each see a bootstrap resample of the split's episodes: refitting is what shows how much
+            # the estimate owes to the few episodes a split holds (fits on the same episodes agree with each other
+            # however far off they are: their interval covered the truth in 2 of 6 settings, against 3 of 6 with
+            # resamples, docs/limits.md). One fit sees them all.
+            config = FQEConfig(
+                steps=steps, gamma=gamma, seed=seed + r, device=device, split=split, tau=policy.tau,
+                resample=runs > 1, unlogged=unlogged,
+            )
+            fits[unlogged].append(fitted_q_evaluation(features, policy.network, config))
+            if not math.isfinite(fits[unlogged][-1].value):
+                raise UserError("FQE diverged (non-finite value): try fewer --fqe-steps or a smaller learning rate")
+    results = fits["extrapolate"]
+
+    def episode_values(results: list[Any]) -> np.ndarray:
+        return np.stack([result.episode_values.numpy() for result in results])  # (runs, episodes)
+
+    values = episode_values(results)
+    fqe_bounds = (math.nan, math.nan)
+    if bounds:
+        fqe_bounds = (bootstrap_interval(episode_values(fits["low"]), seed=seed)[0],
+                      bootstrap_interval(episode_values(fits["high"]), seed=seed)[1])
     rows = features.rows(split)
     ids, _, probs = policy_distribution(policy.network, features, rows, policy.tau, greedy=True)
     chosen = ids.gather(1, probs.argmax(1, keepdim=True))[:, 0]  # (n,) the greedy policy's action ids
@@ -326,6 +345,7 @@ def off_policy_value(
         fqe_runs=runs,
         coverage=coverage,
         coverage_k=coverage_k,
+        fqe_bounds=fqe_bounds,
         value_auc=value_auc.first_step,
         value_auc_ci95=value_auc.ci95,
         value_auc_per_step=value_auc.per_step,

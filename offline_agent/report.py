@@ -365,6 +365,7 @@ class OffPolicyRow:
     episodes: int | None
     doubts: tuple[str, ...] | None  # evaluate's reasons not to act on the value; None where the file has none
     source: str
+    bounds: tuple[float, float] | None = None  # the value whatever the policy does where the logs are silent
     value_auc: float | None = None  # the run's value network's first-step ROC AUC for success (learn/value.py)
     value_auc_ci95: tuple[float, float] | None = None
 
@@ -382,6 +383,7 @@ def off_policy_row(record: dict[str, Any], path: Path, label: str) -> OffPolicyR
         episodes=int(episodes) if episodes is not None else None,
         doubts=tuple(str(d) for d in doubts) if isinstance(doubts, list) else None,
         source=label,
+        bounds=_interval(fqe.get("fqe_bounds")),
         value_auc=_number(fqe.get("value_auc")),
         value_auc_ci95=_interval(fqe.get("value_auc_ci95")),
     )
@@ -615,19 +617,22 @@ def evaluation_section(found: Evaluations) -> str:
         parts.append("<h3>Off-policy estimates (FQE on held-out logs)</h3>")
         parts.append(
             table_html(
-                ["policy", "dataset", "FQE value", "95% interval", "logged behaviour", "coverage",
+                ["policy", "dataset", "FQE value", "95% interval", "bounds", "logged behaviour", "coverage",
                  "held-out episodes", "act on it?", "value network's AUC", "95% interval", "file"],
                 (
-                    (r.policy, r.dataset, r.value, _interval_text(r.ci95), r.behaviour, r.coverage, r.episodes,
-                     _trust_text(r.doubts), r.value_auc, _interval_text(r.value_auc_ci95), r.source)
+                    (r.policy, r.dataset, r.value, _interval_text(r.ci95), _interval_text(r.bounds), r.behaviour,
+                     r.coverage, r.episodes, _trust_text(r.doubts), r.value_auc, _interval_text(r.value_auc_ci95),
+                     r.source)
                     for r in found.off_policy
                 ),
-                [False, False, True, True, True, True, True, False, True, True, False],
+                [False, False, True, True, True, True, True, True, False, True, True, False],
             )
         )
         parts.append(note(
             "FQE values are discounted returns estimated from the logs alone; the simulated success rates above, "
-            "where there are any, are what the policy really did. The value network's AUC: how well the run's "
+            "where there are any, are what the policy really did. Bounds: the value whatever the policy does where "
+            "the logs do not show its choice (FQE assuming the logs' lowest, then highest return there). "
+            "The value network's AUC: how well the run's "
             "value network tells the held-out episodes that succeeded from the others at their first step "
             "(0.5 = chance)."
         ))

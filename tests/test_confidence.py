@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from offline_agent.learn.confidence import action_coverage, auc_interval, bootstrap_interval, roc_auc
+from offline_agent.learn.confidence import (
+    action_coverage,
+    auc_interval,
+    bootstrap_interval,
+    logged_nearby,
+    roc_auc,
+)
 
 LABELS = np.array([1, 0, 1, 1, 0, 0, 1, 0, 1, 0], dtype=bool)
 
@@ -46,6 +52,9 @@ def test_coverage_counts_the_choices_logged_in_the_k_most_similar_states():
     assert action_coverage(states, chosen, logged_states, logged_actions, k=3) == 3 / 4
     # Chunks change nothing, and k larger than the logs takes them all.
     assert action_coverage(states, chosen, logged_states, logged_actions, k=9, chunk=1) == 3 / 4
+    # Per state, what FQE's bounds read: which choices are logged nearby.
+    nearby = logged_nearby(states, chosen, logged_states, logged_actions, k=1, chunk=3)
+    assert nearby.tolist() == [True, True, False, False]
 
 
 def test_empty_inputs_are_errors():

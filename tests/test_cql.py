@@ -133,6 +133,11 @@ def test_fqe_target_follows_the_evaluated_policy_at_the_next_state():
     y = fqe_target(T([1.0, 1.0]), T([0.0, 1.0]), 0.5, T([[2.0, 4.0, float("-inf")], [9.0, 9.0, 9.0]]),
                    T([[0.25, 0.75, 0.0], [0.5, 0.5, 0.0]]))
     assert torch.allclose(y, T([1.0 + 0.5 * (0.5 + 3.0), 1.0]))
+    # Where the policy's choice at s' is not in the logs near it, the bound stands in for its value.
+    q, pi = T([[2.0, 4.0], [6.0, 8.0], [6.0, 8.0]]), T([[0.0, 1.0], [1.0, 0.0], [1.0, 0.0]])
+    unlogged = torch.tensor([True, False, True])
+    y = fqe_target(T([0.0, 0.5, 0.5]), T([0.0, 0.0, 1.0]), 0.5, q, pi, unlogged, bound=-1.0)
+    assert torch.allclose(y, T([0.5 * -1.0, 0.5 + 0.5 * 6.0, 0.5]))  # the last is terminal: no next value
 
 
 def test_the_first_layer_of_a_q_head_is_a_linear_map_of_the_concatenation():
@@ -244,6 +249,8 @@ def test_filtered_bc_keeps_the_top_episodes_by_return_with_ties():
         (lambda: BCConfig(filter_fraction=0.0), r"filter_fraction must be in \(0, 1\], got 0.0"),
         (lambda: D3rlpyCQLConfig(alpha=-2.0), r"alpha must be >= 0, got -2.0"),
         (lambda: FQEConfig(split="holdout"), r"split must be one of train, valid, test, got 'holdout'"),
+        (lambda: FQEConfig(unlogged="worst"), r"unlogged must be one of extrapolate, low, high, got 'worst'"),
+        (lambda: FQEConfig(unlogged="low", greedy=False), r"defined for the greedy policy: pass greedy=True"),
         (lambda: make_config("sac"), r"unknown algorithm 'sac': use --algo one of cql, bc, filtered-bc, d3rlpy-cql"),
         (lambda: make_config("bc", cal_ql=True), r"--algo bc has no setting cal_ql"),
     ],
@@ -455,6 +462,25 @@ def test_fqe_values_a_good_policy_above_the_logged_behaviour():
     assert result.episodes == int((f.episode_split == 2).sum()) and len(result.history) == 3
     # the greedy policy opens ~every lock in 3 steps: V ~ 0.99^2; the noisy behaviour about half of them
     assert result.value > result.behaviour_value and 0.6 < result.value < 1.1, result
+
+
+def test_fqe_bounds_bracket_the_estimate_and_put_the_bound_where_the_first_choice_is_unlogged():
+    from offline_agent.learn.fqe import policy_distribution, unlogged_choices
+
+    f = learn_data.color_lock_features()
+    torch.manual_seed(0)
+    net = QNetwork(f.dim, 16, n_heads=1)  # untrained: its choices often differ from the logged ones
+    common = dict(steps=200, batch_size=64, hidden=32, learning_rate=1e-3, split="test", log_every=200)
+    fits = {u: fitted_q_evaluation(f, net, FQEConfig(**common, unlogged=u)) for u in ("low", "extrapolate", "high")}
+    firsts = f.first_rows("test")
+    ids, _, pi = policy_distribution(net, f, firsts, 0.1, greedy=True)
+    unlogged = unlogged_choices(f, firsts, ids, pi, f.rows("test"), k=10)
+    assert 0 < int(unlogged.sum()) < len(firsts)  # some first choices are logged nearby, some are not
+    returns = f.returns_to_go(f.gamma)
+    assert torch.all(fits["low"].episode_values[unlogged] == returns.min())
+    assert torch.all(fits["high"].episode_values[unlogged] == returns.max())
+    assert fits["low"].value <= fits["extrapolate"].value <= fits["high"].value
+    assert fits["high"].value - fits["low"].value > 0.2
 
 
 def test_train_writes_a_run_folder_and_hits_the_embedding_cache_the_second_time(tmp_path):

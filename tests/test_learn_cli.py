@@ -151,11 +151,14 @@ def test_evaluate_prints_a_summary_and_estimates_fqe_on_held_out_logs(dataset, t
     assert "FQE on" in result.stdout and "held-out episodes" in result.stdout
     assert "3 fits" in result.stdout and "coverage" in result.stdout
     assert "The logs' value predicts these episodes' success with ROC AUC" in result.stdout
+    assert "Whatever the policy does where the logs do not show its choice, its value lies in" in result.stdout
     result = runner.invoke(app, ["evaluate", str(run), "--dataset", str(dataset), "--fqe-steps", "20",
                                  "--fqe-runs", "2", "--json"])
     fqe = json.loads(result.stdout)["fqe"]
     low, high = fqe["fqe_ci95"]
     assert fqe["fqe_runs"] == 2 and low <= fqe["fqe_value"] <= high and 0.0 <= fqe["coverage"] <= 1.0
+    bound_low, bound_high = fqe["fqe_bounds"]
+    assert bound_low <= fqe["fqe_value"] <= bound_high
     low, high = fqe["value_auc_ci95"]
     assert 0.0 <= low <= fqe["value_auc"] <= high <= 1.0 and 0.0 <= fqe["value_auc_per_step"] <= 1.0
 

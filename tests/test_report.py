@@ -313,7 +313,7 @@ def test_fqe_estimates_get_their_own_table_with_evaluates_reasons_not_to_act_on_
     def fqe(coverage, episodes):
         return OffPolicyReport(policy="cql (runs/cql)", dataset="data/logs", split="test", episodes=episodes,
                                fqe_value=0.625, behaviour_value=0.592, gamma=0.99, fqe_ci95=(0.522, 0.715),
-                               fqe_runs=3, coverage=coverage, value_auc=0.712,
+                               fqe_runs=3, coverage=coverage, fqe_bounds=(0.301, 0.944), value_auc=0.712,
                                value_auc_ci95=(0.581, 0.833)).to_dict()
 
     (tmp_path / "eval").mkdir()
@@ -336,4 +336,5 @@ def test_fqe_estimates_get_their_own_table_with_evaluates_reasons_not_to_act_on_
     assert "<td>yes</td>" in rows["eval/cql-800.json"]
     assert "<td>-</td>" in rows["eval/old.json"]  # unknown, not "yes"
     assert off_policy.count("0.581 - 0.833") == 3 and "value network&#x27;s AUC" in off_policy
+    assert off_policy.count("0.301 - 0.944") == 3
     assert "skipped" not in evaluation

@@ -40,7 +40,6 @@ def bootstrap_interval(
     return float(low), float(high)
 
 
-@torch.no_grad()
 def action_coverage(
     states: torch.Tensor,
     chosen: torch.Tensor,
@@ -51,16 +50,30 @@ def action_coverage(
 ) -> float:
     """Share of `states` (n, D) whose `chosen` action id (n,) is the logged action (m,) of one of their `k`
     most similar `logged_states` (m, D), by cosine similarity."""
+    return float(logged_nearby(states, chosen, logged_states, logged_actions, k, chunk).float().mean())
+
+
+@torch.no_grad()
+def logged_nearby(
+    states: torch.Tensor,
+    chosen: torch.Tensor,
+    logged_states: torch.Tensor,
+    logged_actions: torch.Tensor,
+    k: int = 10,
+    chunk: int = 1024,
+) -> torch.Tensor:
+    """(n,) bool: is each state's `chosen` action id the logged action of one of the `k` most similar
+    `logged_states` (m, D)? states (n, D), chosen (n,), logged_actions (m,)."""
     if states.shape[0] == 0:
         raise ValueError("action_coverage needs at least one state")
     k = min(k, logged_states.shape[0])
     logged = torch.nn.functional.normalize(logged_states.float(), dim=1)
-    covered = 0
+    covered = torch.empty(states.shape[0], dtype=torch.bool)
     for start in range(0, states.shape[0], chunk):
         query = torch.nn.functional.normalize(states[start : start + chunk].float(), dim=1)
         nearest = (query @ logged.T).topk(k, dim=1).indices  # (b, k) rows of the logs
-        covered += int((logged_actions[nearest] == chosen[start : start + chunk, None]).any(1).sum())
-    return covered / states.shape[0]
+        covered[start : start + chunk] = (logged_actions[nearest] == chosen[start : start + chunk, None]).any(1)
+    return covered
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:

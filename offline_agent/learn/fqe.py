@@ -16,6 +16,21 @@ the fit sees a bootstrap resample of the split's episodes instead of the split
 (still valued at every first state of the split): fits on several resamples
 show how much the estimate owes to which episodes the split happened to hold.
 
+What the logs cannot tell is what follows an action they never show in states
+like the one at hand: there FQE's Q extrapolates, and its estimate is a guess
+(the bootstrap above measures the guess's variance, not its error). With
+`unlogged="low"` or `"high"` the fit assumes the worst or the best instead
+(partial identification, as Manski bounds): wherever the greedy policy's
+choice at s' (or at a first state) is not the logged action of one of the k
+most similar states of the split, its value is replaced by the lowest or the
+highest discounted return the logs hold,
+
+    y = r + gamma * (1 - d) * (logged nearby ? Qtarget(s', pi(s')) : bound)
+
+so the two fits bracket what the policy could be worth whatever it does where
+the logs are silent. The wider the bracket, the more of the estimate is
+extrapolation.
+
 Dimension letters: B batch, C candidate slots, D embedding width, n rows of the split.
 """
 
@@ -33,6 +48,8 @@ from offline_agent.learn.features import SPLITS, Features, step_candidates
 from offline_agent.learn.networks import QNetwork
 
 METRICS = ("loss/fqe", "fqe/value")
+#: What a fit assumes where the logs do not show the policy's choice: its own Q, or a bound.
+UNLOGGED = ("extrapolate", "low", "high")
 
 
 @dataclass
@@ -52,6 +69,12 @@ class FQEConfig:
         default=False,
         metadata={"help": "fit on a bootstrap resample of the split's episodes (drawn with the seed), not the split"},
     )
+    unlogged: str = field(
+        default="extrapolate",
+        metadata={"help": "where the logs do not show the greedy policy's choice near a state: extrapolate (the "
+                  "estimate), or assume the logs' low or high return there (the bounds)"},
+    )
+    support_k: int = field(default=10, metadata={"help": "similar states a choice is looked for in (unlogged)"})
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=50, metadata={"help": "record metrics every N steps"})
@@ -60,6 +83,12 @@ class FQEConfig:
         check_common(self)
         if self.split not in SPLITS:
             raise UserError(f"split must be one of {', '.join(SPLITS)}, got {self.split!r}")
+        if self.unlogged not in UNLOGGED:
+            raise UserError(f"unlogged must be one of {', '.join(UNLOGGED)}, got {self.unlogged!r}")
+        if self.unlogged != "extrapolate" and not self.greedy:
+            raise UserError("FQE bounds (unlogged low or high) are defined for the greedy policy: pass greedy=True")
+        if self.support_k < 1:
+            raise UserError(f"support_k must be >= 1, got {self.support_k}")
 
 
 @dataclass(frozen=True)
@@ -72,14 +101,23 @@ class FQEResult:
 
 
 def fqe_target(
-    reward: torch.Tensor, done: torch.Tensor, gamma: float, q_next: torch.Tensor, pi_next: torch.Tensor
+    reward: torch.Tensor,
+    done: torch.Tensor,
+    gamma: float,
+    q_next: torch.Tensor,
+    pi_next: torch.Tensor,
+    unlogged: torch.Tensor | None = None,
+    bound: float = 0.0,
 ) -> torch.Tensor:
-    """`y = r + gamma * (1 - d) * sum_a' pi(a'|s') Q(s', a')`.
+    """`y = r + gamma * (1 - d) * sum_a' pi(a'|s') Q(s', a')`, with `bound` in place of that sum where
+    `unlogged` (B,) bool is True (the policy's choice at s' is not in the logs near s').
 
     reward, done: (B,); q_next: (B, C) target-network Q at s' (any value in masked slots);
     pi_next: (B, C) the evaluated policy's probabilities, 0 in masked slots. Returns (B,).
     """
     v_next = (pi_next * torch.nan_to_num(q_next, neginf=0.0)).sum(1)  # (B, C) -> (B,)
+    if unlogged is not None:
+        v_next = torch.where(unlogged, torch.full_like(v_next, bound), v_next)
     return reward + gamma * (1.0 - done) * v_next
 
 
@@ -150,6 +188,14 @@ def fitted_q_evaluation(
     nxt = nxt.clamp(min=0)
     next_ids, next_mask, next_pi = policy_distribution(network, features, nxt, config.tau, config.greedy)
     first_ids, first_mask, first_pi = policy_distribution(network, features, firsts, config.tau, config.greedy)
+    next_unlogged = first_unlogged = None
+    bound = 0.0
+    if config.unlogged != "extrapolate":
+        split_rows = features.rows(config.split)
+        next_unlogged = unlogged_choices(features, nxt, next_ids, next_pi, split_rows, config.support_k)
+        first_unlogged = unlogged_choices(features, firsts, first_ids, first_pi, split_rows, config.support_k)
+        returns = features.returns_to_go(config.gamma)
+        bound = float(returns.min() if config.unlogged == "low" else returns.max())
 
     q_net = QNetwork(features.dim, config.hidden, n_heads=1).to(config.device)
     target_net = copy.deepcopy(q_net).requires_grad_(False)
@@ -163,7 +209,10 @@ def fitted_q_evaluation(
             q_next = target_net.q_values(
                 features.state_emb[nxt[pick]].to(dev), emb[next_ids[pick].clamp(min=0)].to(dev), next_mask[pick].to(dev)
             )  # (B, C)
-            y = fqe_target(features.reward[r].to(dev), done[pick].to(dev), config.gamma, q_next, next_pi[pick].to(dev))
+            y = fqe_target(
+                features.reward[r].to(dev), done[pick].to(dev), config.gamma, q_next, next_pi[pick].to(dev),
+                None if next_unlogged is None else next_unlogged[pick].to(dev), bound,
+            )
         q = q_net.all_heads(features.state_emb[r].to(dev), emb[features.action_id[r]][:, None, :].to(dev))[0, :, 0]
         loss = (q - y).pow(2).mean()
         optimizer.zero_grad(set_to_none=True)
@@ -172,14 +221,34 @@ def fitted_q_evaluation(
         polyak_update(target_net, q_net, config.target_update_rate)
         record = None
         if step % config.log_every == 0 or step == config.steps:
-            value = _first_state_values(q_net, features, firsts, first_ids, first_mask, first_pi).mean()
+            value = _first_state_values(q_net, features, firsts, first_ids, first_mask, first_pi)
+            value = _bounded(value, first_unlogged, bound).mean()
             record = {"step": step, "loss/fqe": loss.item(), "fqe/value": float(value)}
             history.append(record)
         if on_step is not None:
             on_step(step, record)
     values = _first_state_values(q_net, features, firsts, first_ids, first_mask, first_pi)
+    values = _bounded(values, first_unlogged, bound)
     behaviour = float(features.returns_to_go(config.gamma)[firsts].mean())
     return FQEResult(float(values.mean()), values, behaviour, int(firsts.numel()), history)
+
+
+def unlogged_choices(
+    features: Features, rows: torch.Tensor, ids: torch.Tensor, pi: torch.Tensor, logged_rows: torch.Tensor, k: int
+) -> torch.Tensor:
+    """(n,) bool: at the steps `rows` (n,), is the greedy policy's choice (the slot of `pi` (n, C) that holds its
+    mass, an id of `ids` (n, C)) missing from the logged actions of the `k` states of `logged_rows` most similar
+    to each?"""
+    from offline_agent.learn.confidence import logged_nearby
+
+    chosen = ids.gather(1, pi.argmax(1, keepdim=True))[:, 0]  # (n,)
+    logged = features.state_emb[logged_rows], features.action_id[logged_rows]
+    return ~logged_nearby(features.state_emb[rows], chosen, *logged, k)
+
+
+def _bounded(values: torch.Tensor, unlogged: torch.Tensor | None, bound: float) -> torch.Tensor:
+    """`values` (E,) with `bound` where `unlogged` (E,) holds (no change without it)."""
+    return values if unlogged is None else torch.where(unlogged, torch.full_like(values, bound), values)
 
 
 def resample_episodes(episode_index: torch.Tensor, rows: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
