@@ -96,6 +96,11 @@ def test_fqe_fits_on_resamples_differ_and_value_every_test_episode():
     assert torch.equal(whole.episode_values, again.episode_values)  # the split alone: the seed decides
     assert resampled.episode_values.shape == whole.episode_values.shape == (whole.episodes,)
     assert not torch.equal(resampled.episode_values, whole.episode_values)
+    # Fitted on every logged transition, FQE still values the split's first states, and only those.
+    everything = fitted_q_evaluation(f, net, FQEConfig(**common, fit_on="all"))
+    assert everything.episode_values.shape == whole.episode_values.shape
+    assert not torch.equal(everything.episode_values, whole.episode_values)
+    assert everything.behaviour_value == whole.behaviour_value
 
 
 def test_auc_counts_ties_half():

@@ -251,6 +251,7 @@ def test_filtered_bc_keeps_the_top_episodes_by_return_with_ties():
         (lambda: FQEConfig(split="holdout"), r"split must be one of train, valid, test, got 'holdout'"),
         (lambda: FQEConfig(unlogged="worst"), r"unlogged must be one of extrapolate, low, high, got 'worst'"),
         (lambda: FQEConfig(unlogged="low", greedy=False), r"defined for the greedy policy: pass greedy=True"),
+        (lambda: FQEConfig(fit_on="train"), r"fit_on must be split or all, got 'train'"),
         (lambda: make_config("sac"), r"unknown algorithm 'sac': use --algo one of cql, bc, filtered-bc, d3rlpy-cql"),
         (lambda: make_config("bc", cal_ql=True), r"--algo bc has no setting cal_ql"),
     ],

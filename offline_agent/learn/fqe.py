@@ -75,6 +75,11 @@ class FQEConfig:
                   "estimate), or assume the logs' low or high return there (the bounds)"},
     )
     support_k: int = field(default=10, metadata={"help": "similar states a choice is looked for in (unlogged)"})
+    fit_on: str = field(
+        default="split",
+        metadata={"help": "the transitions FQE regresses on (and looks for the policy's choices in): the split's "
+                  "(split) or every logged one (all); its value is taken at the split's first states either way"},
+    )
     seed: int = field(default=0, metadata={"help": "seed of initialisation and batch sampling"})
     device: str = field(default="cpu", metadata={"help": "cpu, cuda or cuda:N"})
     log_every: int = field(default=50, metadata={"help": "record metrics every N steps"})
@@ -87,6 +92,8 @@ class FQEConfig:
             raise UserError(f"unlogged must be one of {', '.join(UNLOGGED)}, got {self.unlogged!r}")
         if self.unlogged != "extrapolate" and not self.greedy:
             raise UserError("FQE bounds (unlogged low or high) are defined for the greedy policy: pass greedy=True")
+        if self.fit_on not in ("split", "all"):
+            raise UserError(f"fit_on must be split or all, got {self.fit_on!r}")
         if self.support_k < 1:
             raise UserError(f"support_k must be >= 1, got {self.support_k}")
 
@@ -173,15 +180,14 @@ def fitted_q_evaluation(
     """Estimate the value of the policy of `network` (any `q_values` module) on `config.split`."""
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
-    rows = features.rows(config.split)
     firsts = features.first_rows(config.split)
-    if rows.numel() == 0:
+    if firsts.numel() == 0:
         raise UserError(
             f"the dataset has no episodes in its {config.split} split: FQE needs held-out episodes "
             "(ingest more logs, or pass another split)"
         )
-    if config.resample:
-        rows = resample_episodes(features.episode_index, rows, generator)
+    fit_rows = features.rows(config.split if config.fit_on == "split" else None)
+    rows = resample_episodes(features.episode_index, fit_rows, generator) if config.resample else fit_rows
     # The policy is fixed: its distribution at every next state and every first state is computed once.
     nxt = features.next_index[rows]
     done = (features.terminated[rows] | (nxt < 0)).float()
@@ -191,9 +197,8 @@ def fitted_q_evaluation(
     next_unlogged = first_unlogged = None
     bound = 0.0
     if config.unlogged != "extrapolate":
-        split_rows = features.rows(config.split)
-        next_unlogged = unlogged_choices(features, nxt, next_ids, next_pi, split_rows, config.support_k)
-        first_unlogged = unlogged_choices(features, firsts, first_ids, first_pi, split_rows, config.support_k)
+        next_unlogged = unlogged_choices(features, nxt, next_ids, next_pi, fit_rows, config.support_k)
+        first_unlogged = unlogged_choices(features, firsts, first_ids, first_pi, fit_rows, config.support_k)
         returns = features.returns_to_go(config.gamma)
         bound = float(returns.min() if config.unlogged == "low" else returns.max())
 
