@@ -51,7 +51,8 @@ def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
     # EPYC (other floating-point paths, another CQL policy) no iteration beat the offline policy's 0.91 and the
     # guard kept it (31/40 both). With per-turn vectors (the default since 2026-12-06), on the AMD EPYC, it kept
     # iteration 5 (validation 0.81), 30/40 against CQL's 27/40, and the whole demo took 1.9 min (6.1 before);
-    # with the value network trained beside each policy, 2.2 min, and 3.6 min from a clean clone, install included.
+    # with the value network trained beside each policy, 2.2 min, and 3.6 min from a clean clone, install included;
+    # with FQE's bounds (6 more fits), 2.6 min (the FQE step 82 s, from 36), so about 4 min with the install.
     # At tau 0.3 they made it worse at first (validation 0.31-0.56) and the guard kept the offline policy: the
     # fine-tuned one is never worse than its start.
     return [

@@ -22,14 +22,16 @@ like the one at hand: there FQE's Q extrapolates, and its estimate is a guess
 `unlogged="low"` or `"high"` the fit assumes the worst or the best instead
 (partial identification, as Manski bounds): wherever the greedy policy's
 choice at s' (or at a first state) is not the logged action of one of the k
-most similar states of the split, its value is replaced by the lowest or the
-highest discounted return the logs hold,
+most similar states among the transitions it fits, its value is replaced by
+the lowest or the highest discounted return the logs hold,
 
     y = r + gamma * (1 - d) * (logged nearby ? Qtarget(s', pi(s')) : bound)
 
 so the two fits bracket what the policy could be worth whatever it does where
 the logs are silent. The wider the bracket, the more of the estimate is
-extrapolation.
+extrapolation. `fit_on="all"` fits every logged transition (still valued at
+the split's first states): what `evaluate` does for the bounds, which on the
+test split alone spanned nearly the whole range of returns.
 
 Dimension letters: B batch, C candidate slots, D embedding width, n rows of the split.
 """
