@@ -308,7 +308,7 @@ def off_policy_value(
             # resamples, docs/limits.md). One fit sees them all.
             # The bounds fit every logged transition: the more of the logs they see, the fewer of the policy's
             # choices they must bound (on the test split alone they spanned nearly [0, 1] in all six benchmark
-            # settings, benchmarks/results/fqe_coverage.md). The estimate keeps to the held-out split.
+            # settings, benchmarks/results/fqe_coverage_testsplit_bounds.md). The estimate keeps to the held-out split.
             config = FQEConfig(
                 steps=steps, gamma=gamma, seed=seed + r, device=device, split=split, tau=policy.tau,
                 resample=runs > 1, unlogged=unlogged, fit_on="split" if unlogged == "extrapolate" else "all",
