@@ -66,16 +66,12 @@ def auc_difference_interval(
     each draw resamples the episodes once for every score (a draw with one class only is redrawn)."""
     import numpy as np
 
-    from offline_agent.learn.confidence import roc_auc
+    from offline_agent.learn.confidence import roc_auc, two_class_resamples
 
     labels = np.asarray(labels, dtype=bool)
-    rng = np.random.default_rng(seed)
     diffs = []
-    while len(diffs) < resamples:
-        pick = rng.integers(len(labels), size=len(labels))
+    for pick in two_class_resamples(labels, resamples, seed):
         y = labels[pick]
-        if y.all() or not y.any():
-            continue
         ours = np.mean([roc_auc(np.asarray(s)[pick], y) for s in scores])
         diffs.append(ours - roc_auc(np.asarray(baseline)[pick], y))
     tail = (1.0 - level) / 2.0

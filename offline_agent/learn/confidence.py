@@ -18,6 +18,8 @@ standard error near 0.05-0.07, so a point value alone says little).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
@@ -97,13 +99,20 @@ def auc_interval(
     scores, labels = np.asarray(scores, dtype=np.float64), np.asarray(labels, dtype=bool)
     if labels.all() or not labels.any():
         return float("nan"), float("nan")
-    rng = np.random.default_rng(seed)
-    aucs: list[float] = []
-    while len(aucs) < resamples:
-        pick = rng.integers(len(labels), size=len(labels))
-        if labels[pick].all() or not labels[pick].any():
-            continue
-        aucs.append(roc_auc(scores[pick], labels[pick]))
+    aucs = [roc_auc(scores[pick], labels[pick]) for pick in two_class_resamples(labels, resamples, seed)]
     tail = (1.0 - level) / 2.0
     low, high = np.quantile(aucs, [tail, 1.0 - tail])
     return float(low), float(high)
+
+
+def two_class_resamples(labels: np.ndarray, resamples: int, seed: int = 0) -> Iterator[np.ndarray]:
+    """`resamples` bootstrap draws of the episodes (n,) bool `labels` belong to, as index arrays (n,) drawn with
+    replacement; a draw holding one class only, which has no AUC, is drawn again. `labels` must hold both."""
+    rng = np.random.default_rng(seed)
+    drawn = 0
+    while drawn < resamples:
+        pick = rng.integers(len(labels), size=len(labels))
+        if labels[pick].all() or not labels[pick].any():
+            continue
+        drawn += 1
+        yield pick
