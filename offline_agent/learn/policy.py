@@ -92,23 +92,33 @@ def save_checkpoint(
     tag = uuid.uuid4().hex[:8]
     weights_tmp = run_dir / f".{WEIGHTS_FILE}.tmp-{tag}"
     config_tmp = run_dir / f".{CONFIG_FILE}.tmp-{tag}"
-    state = {name: t.detach().cpu().contiguous() for name, t in network.state_dict().items()}
-    save_file(state, str(weights_tmp))
+    _save_tensors(network.state_dict(), weights_tmp)
     if encoder_layers is not None:
         encoder_tmp = run_dir / f".{ENCODER_FILE}.tmp-{tag}"
-        save_file({name: t.detach().cpu().contiguous() for name, t in encoder_layers.items()}, str(encoder_tmp))
+        _save_tensors(encoder_layers, encoder_tmp)
         os.replace(encoder_tmp, run_dir / ENCODER_FILE)
     config = {"format": FORMAT, "format_version": FORMAT_VERSION, **meta, "network": network.config()}
     if value_network is not None:
         value_tmp = run_dir / f".{VALUE_FILE}.tmp-{tag}"
-        save_file({name: t.detach().cpu().contiguous() for name, t in value_network.state_dict().items()},
-                  str(value_tmp))
+        _save_tensors(value_network.state_dict(), value_tmp)
         os.replace(value_tmp, run_dir / VALUE_FILE)
         config["value_network"] = value_network.config()
     config_tmp.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(weights_tmp, run_dir / WEIGHTS_FILE)
     os.replace(config_tmp, run_dir / CONFIG_FILE)  # last: the JSON marks a complete checkpoint
     return run_dir / CONFIG_FILE
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """`tensors` as a safetensors file at `path` (CPU, contiguous: what safetensors writes)."""
+    save_file({name: t.detach().cpu().contiguous() for name, t in tensors.items()}, str(path))
+
+
+def _network_from(config: dict[str, Any], weights: Path) -> torch.nn.Module:
+    """The network of a `config()` entry of policy.json with the weights of the safetensors file `weights`."""
+    network = build_network(config)
+    network.load_state_dict(load_file(str(weights)), strict=True)
+    return network
 
 
 def tuned_layers(folder: str | Path, meta: dict[str, Any]) -> dict[str, torch.Tensor] | None:
@@ -139,9 +149,7 @@ def load_checkpoint(path: str | Path, device: str = "cpu") -> tuple[torch.nn.Mod
     """(network in eval mode, policy.json as a dict) of a checkpoint; safetensors only, nothing unpickled."""
     folder = checkpoint_dir(path)
     meta = read_policy_json(folder)
-    network = build_network(meta["network"])
-    network.load_state_dict(load_file(str(folder / WEIGHTS_FILE)), strict=True)
-    return network.to(device).eval(), meta
+    return _network_from(meta["network"], folder / WEIGHTS_FILE).to(device).eval(), meta
 
 
 def read_policy_json(folder: Path) -> dict[str, Any]:
@@ -169,8 +177,7 @@ def load_value_network(path: str | Path, device: str = "cpu") -> torch.nn.Module
         raise UserError(f"{folder / VALUE_FILE} is missing: this run was trained with a value network; copy the whole "
                         "run folder")
     with torch.random.fork_rng(devices=[]):  # its random init is overwritten: reading it leaves the RNG as it was
-        network = build_network(meta["value_network"])
-    network.load_state_dict(load_file(str(folder / VALUE_FILE)), strict=True)
+        network = _network_from(meta["value_network"], folder / VALUE_FILE)
     return network.to(device).eval()
 
 
