@@ -208,10 +208,9 @@ def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int, mc_wei
 
 def logged_q(network, features, rows):
     """(n,) Q(s, a) of the logged action at the steps `rows`."""
-    import torch
+    from offline_agent.learn.value import logged_values
 
-    return network.q_values(features.state_emb[rows], features.action_emb[features.action_id[rows]][:, None, :],
-                            torch.ones(len(rows), 1, dtype=torch.bool))[:, 0]
+    return logged_values(network, features.state_emb[rows], features.action_emb[features.action_id[rows]])
 
 
 def main() -> None:
