@@ -210,7 +210,7 @@ def test_bf16_vectors_have_an_id_and_cache_of_their_own_and_stand_in_for_fp32_on
     assert encoder_for(trained_on_bf16, bf16) is bf16
     with pytest.raises(UserError, match=r"trained on embeddings of encoder \S+-bf16"):
         encoder_for(trained_on_bf16, fp32)
-    with pytest.raises(UserError, match="--encoder-precision 'fp16' is not one of fp32, bf16, auto"):
+    with pytest.raises(UserError, match="--encoder-precision 'fp16' is not one of fp32, bf16, int8, auto"):
         TextEncoder(precision="fp16")
 
 
@@ -222,7 +222,7 @@ def test_auto_precision_is_bf16_exactly_where_the_cpu_has_bf16_instructions(monk
     assert not native_bf16("cpu") and resolve_precision("auto") == "fp32"
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert native_bf16("cpu") and resolve_precision("auto") == "bf16"
-    with pytest.raises(UserError, match="--encoder-precision 'half' is not one of fp32, bf16, auto"):
+    with pytest.raises(UserError, match="--encoder-precision 'half' is not one of fp32, bf16, int8, auto"):
         resolve_precision("half")
 
 
@@ -239,8 +239,8 @@ def test_evaluate_plays_an_fp32_policy_with_a_bf16_encoder(pipeline):
     )
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["episodes"] == 2
-    result = runner.invoke(app, ["evaluate", str(pipeline["run"]), "--env", PIPELINE, "--encoder-precision", "int8"])
-    assert result.exit_code != 0 and "--encoder-precision 'int8' is not one of fp32, bf16, auto" in result.output
+    result = runner.invoke(app, ["evaluate", str(pipeline["run"]), "--env", PIPELINE, "--encoder-precision", "int4"])
+    assert result.exit_code != 0 and "--encoder-precision 'int4' is not one of fp32, bf16, int8, auto" in result.output
 
 
 def test_a_resumed_run_meets_the_very_vectors_of_an_uninterrupted_one(pipeline, tmp_path):

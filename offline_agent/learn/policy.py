@@ -15,8 +15,8 @@ sees a whole checkpoint or none. `Policy.load` rebuilds the network from the
 JSON, loads the tensors, and refuses (UserError) an encoder other than the one
 the policy was trained with: its values would be computed on vectors it has
 never seen. The one exception is deliberate: the same model run in bf16
-(`--encoder-precision bf16`), whose vectors are within 1e-4 of cosine of the
-fp32 ones (`encoder_for`).
+(`--encoder-precision bf16`) or int8 (`int8`), whose vectors are within 1e-4
+and 1e-2 of cosine of the fp32 ones (`encoder_for`).
 
 `Policy.act(observation)` plays in an environment whose observations are
 `{"text", "candidates"}` dicts: it keeps the episode's turns, renders the state
@@ -193,9 +193,10 @@ def encoder_for(
     path is absent here), with the checkpoint's tuned top layers (read from `folder`) if it has them. A
     different encoder id is a UserError.
 
-    `precision` is the number format of an encoder loaded here (`TextEncoder(precision=...)`). A bf16 encoder
-    is accepted for a policy trained on the fp32 vectors of the same model (its `fp32_id`): at decision time
-    its vectors stand in for them (cosine >= 0.9999). Not the other way round, and never a different model."""
+    `precision` is the number format of an encoder loaded here (`TextEncoder(precision=...)`). A bf16 or int8
+    encoder is accepted for a policy trained on the fp32 vectors of the same model (its `fp32_id`): at decision
+    time its vectors stand in for them (cosine >= 0.9999 and >= 0.99). Not the other way round, and never a
+    different model."""
     wanted = meta.get("encoder")
     if not isinstance(wanted, dict) or "id" not in wanted:
         raise UserError("the checkpoint's policy.json names no encoder (encoder.id): retrain it with this version")
@@ -222,7 +223,7 @@ def encoder_for(
             if folder is None:
                 raise ValueError("a tuned encoder's layers are read from the checkpoint folder: pass `folder`")
             encoder.load_tuned_layers(tuned_layers(folder, meta), base_id=tuned.get("base_id"))
-    stands_in = getattr(encoder, "precision", "fp32") == "bf16" and getattr(encoder, "fp32_id", None) == wanted["id"]
+    stands_in = getattr(encoder, "precision", "fp32") != "fp32" and getattr(encoder, "fp32_id", None) == wanted["id"]
     if encoder.id != wanted["id"] and not stands_in:
         raise UserError(
             f"this policy was trained on embeddings of encoder {wanted['id']} (from {wanted.get('path')}), "

@@ -23,9 +23,10 @@ from offline_agent.errors import UserError
 from offline_agent.text.states import state_views
 
 #: Number formats the encoder's forward pass can run in (`TextEncoder(precision=...)`); "auto" is bf16 where the
-#: device computes in bf16 natively and fp32 elsewhere (`resolve_precision`).
-PRECISIONS = ("fp32", "bf16", "auto")
-Precision = Literal["fp32", "bf16", "auto"]
+#: device computes in bf16 natively and fp32 elsewhere (`resolve_precision`); "int8" runs on the CPU with ONNX
+#: Runtime (`offline_agent.text.int8`).
+PRECISIONS = ("fp32", "bf16", "int8", "auto")
+Precision = Literal["fp32", "bf16", "int8", "auto"]
 
 # Files whose names and sizes identify a model's weights and tokenizer in the encoder id; hashing
 # 90 MB of weights on every start would cost more than the encoding of a small dataset.
@@ -49,12 +50,21 @@ def native_bf16(device: str = "cpu") -> bool:
 
 
 def resolve_precision(precision: str, device: str = "cpu") -> str:
-    """"fp32" or "bf16" for a requested precision: "auto" is bf16 where `native_bf16(device)`, else fp32.
+    """The precision an encoder runs in: "auto" is bf16 where `native_bf16(device)`, else fp32; "int8" is checked
+    (a CPU device, ONNX Runtime installed).
 
     bf16 is the default of rollouts (fine-tuning, evaluation) because there it is ~2x as fast with vectors
     within 1e-4 of cosine of fp32's (benchmarks/results/rollout_speed.md); emulated, it would be slower."""
     if precision not in PRECISIONS:
         raise UserError(f"--encoder-precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision == "int8":
+        import torch
+
+        if torch.device(device).type != "cpu":
+            raise UserError(f"--encoder-precision int8 runs on the CPU, not on --device {device}: use bf16 or fp32")
+        from offline_agent.text.int8 import require_onnxruntime
+
+        require_onnxruntime()
     if precision != "auto":
         return precision
     return "bf16" if native_bf16(device) else "fp32"
@@ -140,6 +150,10 @@ class TextEncoder:
     cache keeps them apart, in a folder of their own), and `fp32_id` names the vectors they stand in for,
     which is how a policy trained on fp32 vectors accepts a bf16 encoder at decision time
     (`offline_agent.learn.policy.encoder_for`).
+
+    With `precision="int8"`, the forward pass runs in ONNX Runtime with most linear layers quantised to int8
+    (`offline_agent.text.int8`, built on the first encode; needs the `onnx` extra): vectors within cosine 0.99
+    of fp32's, and the id ends in `-int8`. It stands in for the fp32 vectors at decision time as bf16 does.
     """
 
     def __init__(
@@ -199,6 +213,8 @@ class TextEncoder:
         self.precision = precision
         self.model_id = encoder_id(folder, max_length)  # the model and its settings, before `precision`
         self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
+        # The int8 forward pass, built on the first encode and shared with copies (`single_view`) of this encoder.
+        self._int8: dict[str, Any] = {}
 
     def load_tuned_layers(self, state: dict[str, Any], base_id: str | None = None) -> None:
         """Put fine-tuned top layers (`EncoderTop.layer_state()`, as in a run's encoder.safetensors) into
@@ -227,6 +243,7 @@ class TextEncoder:
             raise UserError(f"tuned encoder layers do not fit encoder {self.id}: {str(exc).splitlines()[0]}") from None
         self.model_id = tuned_encoder_id(self.model_id, state)
         self.tuned_layers = n_top
+        self._int8.clear()  # built from the layers before
 
     def single_view(self) -> TextEncoder:
         """This encoder without the observation view and per-turn vectors (the same model, not a copy of it):
@@ -240,7 +257,7 @@ class TextEncoder:
     @property
     def single_id(self) -> str:
         """The id of one view's vectors: the embedding cache's key."""
-        return self.model_id + ("-bf16" if self.precision == "bf16" else "")
+        return self.model_id + ("" if self.precision == "fp32" else f"-{self.precision}")
 
     @property
     def id(self) -> str:
@@ -281,29 +298,43 @@ class TextEncoder:
 
         out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
         with progress_bar(progress, len(texts), "encoding") as advance, torch.inference_mode(), self._autocast():
-            for idx, batch in self.tokenized_batches(texts):
-                hidden = self.model(**batch).last_hidden_state.float()  # (B, T, D)
+            for idx, batch, hidden in self._hidden_states(texts):
                 out[idx] = mean_pool(hidden, batch["attention_mask"]).cpu().numpy()
                 advance(len(idx))
         return out
 
+    def _hidden_states(self, texts: list[str]) -> Iterator[tuple[list[int], Any, Any]]:
+        """(positions, tokenized batch, last hidden state (B, T, D) in float32) of each forward pass over `texts`,
+        in this encoder's precision."""
+        if self.precision != "int8":
+            for idx, batch in self.tokenized_batches(texts):
+                yield idx, batch, self.model(**batch).last_hidden_state.float()
+            return
+        if self.model_id not in self._int8:
+            from offline_agent.text.int8 import Int8Forward
+
+            self._int8.clear()
+            self._int8[self.model_id] = Int8Forward(self.model, self.tokenizer, mean_pool)
+        # One text a pass, so that no text's vector depends on the others (`offline_agent.text.int8`).
+        yield from self._int8[self.model_id].map(self.tokenized_batches(texts, batch_size=1))
+
     def _autocast(self) -> Any:
         import torch
 
-        if self.precision == "fp32":
+        if self.precision != "bf16":
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16)
 
-    def tokenized_batches(self, texts: Sequence[str]) -> Iterator[tuple[list[int], Any]]:
-        """(positions in `texts`, tokenized batch on the encoder's device), up to `batch_size` texts at a time,
-        cut at `max_length` tokens.
+    def tokenized_batches(self, texts: Sequence[str], batch_size: int | None = None) -> Iterator[tuple[list[int], Any]]:
+        """(positions in `texts`, tokenized batch on the encoder's device), up to `batch_size` texts at a time
+        (the encoder's own by default), cut at `max_length` tokens.
 
         Longest first, so that each batch pads to similar lengths (less wasted compute), as
         sentence-transformers does; and a batch also ends before a text less than half as long (in characters)
         as its first, so that the short candidate texts a rollout step encodes beside its states are not
         padded to a state's length. Callers write results back to the positions given.
         """
-        for idx in batch_positions(texts, self.batch_size):
+        for idx in batch_positions(texts, batch_size or self.batch_size):
             batch = self.tokenizer(
                 [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
             )
