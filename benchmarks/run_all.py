@@ -90,6 +90,8 @@ BENCHMARKS = [
     # Plain PPO + KL from the bundled 100 logs, with PPO from scratch beside it and the rollout throughput.
     ("online", "online.py", []),
     ("rollout_speed", "rollout_speed.py", []),
+    # Greedy success of the 800-log CQL policies with the rollouts' encoder in fp32, bf16 and int8.
+    ("encoder_precision", "encoder_precision.py", []),
     # The Ray backend (the ray extra): rollouts by number of actors, and ingestion against the local engine.
     ("ray_scale", "ray_scale.py", []),
     ("ray_ingest", "ray_ingest.py", []),
