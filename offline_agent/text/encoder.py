@@ -296,27 +296,25 @@ class TextEncoder:
     def _encode_one_view(self, texts: list[str], progress: bool) -> np.ndarray:
         import torch
 
+        if self.precision == "int8":
+            with progress_bar(progress, len(texts), "encoding") as advance:
+                return self._int8_encoder().encode(texts, advance)
         out = np.empty((len(texts), self.model.config.hidden_size), dtype=np.float32)
         with progress_bar(progress, len(texts), "encoding") as advance, torch.inference_mode(), self._autocast():
-            for idx, batch, hidden in self._hidden_states(texts):
+            for idx, batch in self.tokenized_batches(texts):
+                hidden = self.model(**batch).last_hidden_state.float()  # (B, T, D)
                 out[idx] = mean_pool(hidden, batch["attention_mask"]).cpu().numpy()
                 advance(len(idx))
         return out
 
-    def _hidden_states(self, texts: list[str]) -> Iterator[tuple[list[int], Any, Any]]:
-        """(positions, tokenized batch, last hidden state (B, T, D) in float32) of each forward pass over `texts`,
-        in this encoder's precision."""
-        if self.precision != "int8":
-            for idx, batch in self.tokenized_batches(texts):
-                yield idx, batch, self.model(**batch).last_hidden_state.float()
-            return
+    def _int8_encoder(self) -> Any:
+        """This encoder's int8 model (`offline_agent.text.int8`), built on first use (~3 s)."""
         if self.model_id not in self._int8:
-            from offline_agent.text.int8 import Int8Forward
+            from offline_agent.text.int8 import Int8Encoder
 
             self._int8.clear()
-            self._int8[self.model_id] = Int8Forward(self.model, self.tokenizer, mean_pool)
-        # One text a pass, so that no text's vector depends on the others (`offline_agent.text.int8`).
-        yield from self._int8[self.model_id].map(self.tokenized_batches(texts, batch_size=1))
+            self._int8[self.model_id] = Int8Encoder(self.model, self.tokenizer, self.max_length, mean_pool)
+        return self._int8[self.model_id]
 
     def _autocast(self) -> Any:
         import torch
@@ -325,16 +323,16 @@ class TextEncoder:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16)
 
-    def tokenized_batches(self, texts: Sequence[str], batch_size: int | None = None) -> Iterator[tuple[list[int], Any]]:
-        """(positions in `texts`, tokenized batch on the encoder's device), up to `batch_size` texts at a time
-        (the encoder's own by default), cut at `max_length` tokens.
+    def tokenized_batches(self, texts: Sequence[str]) -> Iterator[tuple[list[int], Any]]:
+        """(positions in `texts`, tokenized batch on the encoder's device), up to `batch_size` texts at a time,
+        cut at `max_length` tokens.
 
         Longest first, so that each batch pads to similar lengths (less wasted compute), as
         sentence-transformers does; and a batch also ends before a text less than half as long (in characters)
         as its first, so that the short candidate texts a rollout step encodes beside its states are not
         padded to a state's length. Callers write results back to the positions given.
         """
-        for idx in batch_positions(texts, batch_size or self.batch_size):
+        for idx in batch_positions(texts, self.batch_size):
             batch = self.tokenizer(
                 [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
             )

@@ -31,7 +31,7 @@ import logging
 import re
 import tempfile
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -107,55 +107,61 @@ def _last_hidden(model: Any, names: list[str]) -> Any:
     return LastHidden().eval()
 
 
-class Int8Forward:
-    """The int8 forward pass of a loaded transformers encoder: `forward(batch)` takes a tokenizer's batch (torch
-    tensors on the CPU; one text, see the module docstring) and gives the last hidden state (B, T, D) as a
-    float32 torch tensor; `map` runs many batches.
+class Int8Encoder:
+    """The int8 model of a loaded transformers encoder: `encode(texts)` gives (N, D) float32 unit vectors, mean
+    pooled as `TextEncoder` pools (`pool`, checked against it on PROBE_TEXTS when built).
 
-    `map` runs as many passes at once as torch has threads (`torch.set_num_threads`), each on one thread: a
-    pass over one ~40-token text is too small to split over threads (on 2 cores, two texts at once encode 1.6x
-    as fast as one text on two threads)."""
+    Each text is tokenized alone (no padding; see the module docstring), and as many texts go through the
+    model at once as torch has threads (`torch.set_num_threads`), each on one thread: a pass over one ~40-token
+    text is too small to split over threads (on 2 cores, two texts at once encode 1.6x as fast as one text on
+    two threads)."""
 
-    def __init__(self, model: Any, tokenizer: Any, pool: Any):
+    def __init__(self, model: Any, tokenizer: Any, max_length: int, pool: Any):
         import torch
 
         require_onnxruntime()
+        self.tokenizer, self.max_length, self.dim = tokenizer, max_length, int(model.config.hidden_size)
         self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool), made for torch's threads
-        probes = [tokenizer([text], return_tensors="pt") for text in PROBE_TEXTS]
-        self.names = [name for name in tokenizer.model_input_names if name in probes[0]]
-        self.session = _quantised_session(model, [probes[0][n] for n in self.names], self.names)
+        example = tokenizer([PROBE_TEXTS[0]], return_tensors="pt")
+        self.names = [name for name in tokenizer.model_input_names if name in example]
+        self.session = _quantised_session(model, [example[n] for n in self.names], self.names)
         with torch.inference_mode():
-            fp32 = [pool(model(**probe).last_hidden_state.float(), probe["attention_mask"]) for probe in probes]
-        int8 = [pool(self(probe), probe["attention_mask"]) for probe in probes]
-        self.probe_cosine = min(float((a * b).sum()) for a, b in zip(fp32, int8, strict=True))
+            fp32 = []
+            for text in PROBE_TEXTS:
+                probe = tokenizer([text], truncation=True, max_length=max_length, return_tensors="pt")
+                fp32.append(pool(model(**probe).last_hidden_state.float(), probe["attention_mask"])[0].numpy())
+        self.probe_cosine = float((np.stack(fp32) * self.encode(PROBE_TEXTS)).sum(1).min())
         if self.probe_cosine < MIN_COSINE:
             raise UserError(
                 f"this encoder's int8 vectors stray from its fp32 ones (cosine {self.probe_cosine:.4f} < "
                 f"{MIN_COSINE} on probe texts): use --encoder-precision bf16 or fp32"
             )
 
-    def __call__(self, batch: Any) -> Any:
+    def encode(self, texts: Sequence[str], advance: Callable[[int], None] = lambda n: None) -> np.ndarray:
+        """(N, D) float32 unit vectors of `texts`, in order; `advance(1)` after each."""
         import torch
 
-        feeds = {name: batch[name].cpu().numpy().astype(np.int64) for name in self.names}
-        return torch.from_numpy(self.session.run(None, feeds)[0])
+        out = np.empty((len(texts), self.dim), dtype=np.float32)
+        if not texts:
+            return out
+        tokens = self.tokenizer(list(texts), truncation=True, max_length=self.max_length)  # one call, unpadded
 
-    def map(self, batches: Iterable[tuple[list[int], Any]]) -> Iterator[tuple[list[int], Any, Any]]:
-        """(positions, batch, last hidden state) of each (positions, batch), in order."""
-
-        import torch
-
-        def one(item: tuple[list[int], Any]) -> tuple[list[int], Any, Any]:
-            return item[0], item[1], self(item[1])
+        def one(i: int) -> np.ndarray:
+            feed = {name: np.asarray([tokens[name][i]], dtype=np.int64) for name in self.names}
+            hidden = self.session.run(None, feed)[0][0]  # (T, D): no padding, so the mean over all tokens
+            pooled = hidden.mean(0)
+            return pooled / max(float(np.linalg.norm(pooled)), 1e-12)
 
         workers = torch.get_num_threads()
-        if workers == 1:
-            return map(one, batches)
-        if self._pool is None or self._pool[0] != workers:
+        if workers > 1 and (self._pool is None or self._pool[0] != workers):
             if self._pool is not None:
                 self._pool[1].shutdown()
             self._pool = (workers, ThreadPoolExecutor(workers, thread_name_prefix="int8-encoder"))
-        return self._pool[1].map(one, batches)
+        vectors = map(one, range(len(texts))) if workers == 1 else self._pool[1].map(one, range(len(texts)))
+        for i, vector in enumerate(vectors):
+            out[i] = vector
+            advance(1)
+        return out
 
 
 def _quantised_session(model: Any, example: list[Any], names: list[str]) -> Any:
