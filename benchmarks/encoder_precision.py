@@ -72,7 +72,8 @@ def main() -> None:
         f"of the noisy:0.5 behaviour, trained on fp32 vectors), greedy, on the same {args.episodes} evaluation "
         f"episodes (seed {args.seed}) with each rollout encoder precision; 8 environments, {args.threads} torch "
         "threads. Success: rate [95% Wilson interval]. Seconds: the whole evaluation, the policy's load and, for "
-        "int8, the quantised model's build included."
+        "int8, the quantised model's build included. A checkpoint's known texts (`texts.safetensors`), where it "
+        "has them, are fp32 vectors in every column."
     )
     command = "python benchmarks/encoder_precision.py " + " ".join(sys.argv[1:])
     if args.no_write:

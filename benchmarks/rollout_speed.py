@@ -1,20 +1,21 @@
-"""Rollout speed: env steps/s of fine-tuning rollouts, per turn against whole text, and texts/s of the encoder.
+"""Rollout speed: env steps/s of fine-tuning rollouts and texts/s of the encoder, by encoder precision.
 
 A rollout step renders each environment's state text, embeds the texts new to the run's memo (MiniLM: the
 slowest part by far), scores the candidates and steps the simulators. Measured on PipelineRepair-v0 with the
 online benchmark's CQL policy (its offline stage: CQL on the bundled 100 episodes, trained once and cached
-under `--cache`), a sync vector env, a cold text-embedding memo (a new trainer per setting), 1 and 8
-environments, 1 and `--threads` torch threads, the encoder in fp32, bf16 and int8 (`--encoder-precision`); the
-policy has per-turn state vectors (the default: a step encodes its states' new blocks), and the same stage
-trained on whole-text vectors (`--whole-text`: a step encodes its new state texts whole) is timed beside it,
-also in fp32 one text per forward pass (how rollouts encoded before the memo batched a step's new texts).
+under `--cache`), a sync vector env, a new trainer per setting (its memo holds the checkpoint's known texts,
+or nothing), 1 and 8 environments, 1 and `--threads` torch threads, the encoder in fp32, bf16 and int8
+(`--encoder-precision`); the policy has per-turn state vectors (the default: a step encodes its states' new
+blocks), and the same stage trained on whole-text vectors (`--whole-text`: a step encodes its new state texts
+whole) is timed beside it in bf16.
 
 The second table: texts/s of `TextEncoder.encode` against sentence-transformers' own
 `SentenceTransformer(path).encode` (the same packaged model folder, batches of 8) on the same rendered state
 texts of the logs, and the smallest cosine of each to sentence-transformers' fp32 vectors.
 
 Writes benchmarks/results/rollout_speed.md; `benchmarks/online.py` puts the first table in its own results.
-A few minutes on 2 cores, and the timings assume nothing else runs: `python benchmarks/rollout_speed.py`.
+A few minutes on 2 cores, and the timings assume nothing else runs: `python benchmarks/rollout_speed.py`
+(`--retrain` after the checkpoint format changed, e.g. for a run saved before known texts).
 """
 
 from __future__ import annotations
@@ -34,18 +35,19 @@ REPO = Path(__file__).resolve().parents[1]
 SIM, ENV = "pipeline", "offline_agent/PipelineRepair-v0"
 ROLLOUT_HEADER = [
     "envs", "vector", "torch threads", "fp32 env steps/s", "bf16 env steps/s", "int8 env steps/s",
-    "texts encoded per env step",
-    "whole text, fp32", "whole text, bf16", "whole text, fp32, one text per pass",
-    "texts encoded per env step (whole text)", "bare env steps/s",
+    "texts encoded per env step", "bf16, empty memo", "texts encoded per env step (empty memo)",
+    "whole text, bf16", "bare env steps/s",
 ]
 ENCODER_HEADER = ["encoder", "batch", "torch threads", "texts/s", "min cosine to sentence-transformers fp32"]
 
 
 def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, precision: str = "fp32",
-                 one_text_per_pass: bool = False, ray_actors: int | None = None) -> tuple[float, float]:
+                 one_text_per_pass: bool = False, ray_actors: int | None = None,
+                 known_texts: bool = True) -> tuple[float, float]:
     """(env steps/s, texts encoded per env step) of one rollout of about `steps` env steps from a fresh trainer
-    (cold memo), policy and encoder included. `ray_actors`: the environments in that many Ray actors
-    (`RayVectorEnv`, Ray already started) instead of the sync vector env."""
+    (its memo holds the checkpoint's known texts only; none without `known_texts`), policy and encoder included.
+    `ray_actors`: the environments in that many Ray actors (`RayVectorEnv`, Ray already started) instead of the
+    sync vector env."""
     import torch
 
     from offline_agent.determinism import deterministic_torch
@@ -54,7 +56,7 @@ def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, pre
     from offline_agent.online.ppo import PPOTrainer
 
     with deterministic_torch(threads):
-        reference = Policy.load(run, precision=precision)
+        reference = Policy.load(run, precision=precision, known_texts=known_texts)
         if one_text_per_pass:
             reference.encoder.batch_size = 1
         reference.encoder.encode(["a first forward pass loads the kernels"])  # not a rollout's cost
@@ -107,25 +109,22 @@ def cql_run(cache: Path, cql_steps: int, threads: int, retrain: bool = False, pe
 
 
 def rollout_rows(run: Path, whole_text_run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
-    """The rollout table: 1 and 8 envs, 1 and `threads` torch threads; the policy `run` in fp32 and bf16, then
-    the policy on whole-text state vectors (`whole_text_run`) in fp32, bf16, and fp32 one text per pass."""
+    """The rollout table: 1 and 8 envs, 1 and `threads` torch threads; the policy `run` in fp32, bf16 and int8,
+    in bf16 from an empty memo, then the policy on whole-text state vectors (`whole_text_run`) in bf16."""
     rows = []
     for t in sorted({1, threads}):
         for n in (1, 8):
             fp32, per_step = rollout_rate(run, env, n, steps, t)
             bf16, _ = rollout_rate(run, env, n, steps, t, precision="bf16")
             int8, _ = rollout_rate(run, env, n, steps, t, precision="int8")
-            whole_fp32, whole_per_step = rollout_rate(whole_text_run, env, n, steps, t)
-            whole_bf16, _ = rollout_rate(whole_text_run, env, n, steps, t, precision="bf16")
-            alone, _ = rollout_rate(whole_text_run, env, n, steps, t, one_text_per_pass=True)
+            empty, empty_per_step = rollout_rate(run, env, n, steps, t, precision="bf16", known_texts=False)
+            whole, _ = rollout_rate(whole_text_run, env, n, steps, t, precision="bf16")
             bare = bare_rate(env, n)
             rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{int8:.1f}", f"{per_step:.2f}",
-                         f"{whole_fp32:.1f}", f"{whole_bf16:.1f}", f"{alone:.1f}", f"{whole_per_step:.2f}",
-                         f"{bare:,.0f}"])
+                         f"{empty:.1f}", f"{empty_per_step:.2f}", f"{whole:.1f}", f"{bare:,.0f}"])
             print(f"rollout {n} envs, {t} thread(s): fp32 {fp32:.1f}, bf16 {bf16:.1f}, int8 {int8:.1f} env steps/s "
-                  f"({per_step:.2f} "
-                  f"texts encoded per step); whole text fp32 {whole_fp32:.1f}, bf16 {whole_bf16:.1f}, one text per "
-                  f"pass {alone:.1f} ({whole_per_step:.2f} per step); bare {bare:,.0f}/s", flush=True)
+                  f"({per_step:.2f} texts encoded per step); bf16 from an empty memo {empty:.1f} ({empty_per_step:.2f} "
+                  f"per step); whole text bf16 {whole:.1f}; bare {bare:,.0f}/s", flush=True)
     return rows
 
 
@@ -221,13 +220,15 @@ def main() -> None:
 def rollout_note(steps: int) -> str:
     return (
         f"Rollout env steps/s on {ENV} with the CQL policy of the online benchmark's offline stage ({steps} env "
-        "steps per setting, a new trainer each time: a cold text-embedding memo), the policy, renderer and "
-        "encoder included. The default policy has per-turn state vectors: its memo keeps the blocks of the state "
-        "texts, so a step encodes its new blocks and candidates only (texts encoded per env step). Whole text: the "
-        "same offline stage trained on whole-text state vectors (`train --whole-text`), whose step encodes each "
-        "new state text whole; one text per pass is fp32 as rollouts encoded before the memo batched a step's "
-        "texts. int8: ONNX Runtime with most linear layers quantised (`--encoder-precision int8`), one text a "
-        "pass, as many passes at once as torch threads. Bare: the sync vector env alone with random actions for 1 s."
+        "steps per setting, a new trainer each time), the policy, renderer and encoder included. The policy has "
+        "per-turn state vectors (the default): its memo keeps the blocks of the state texts, so a step encodes its "
+        "new blocks and candidates only (texts encoded per env step). A new trainer's memo starts with the "
+        "checkpoint's known texts, the fp32 vectors of the logs' most frequent texts that `train` saves (here all "
+        "of them: the candidates, the actions and the blocks of the bundled logs); empty memo: without them. "
+        "int8: ONNX Runtime with most linear layers quantised (`--encoder-precision int8`), one text a pass, as "
+        "many passes at once as torch threads. Whole text: the same offline stage trained on whole-text state "
+        "vectors (`train --whole-text`), whose step encodes each new state text whole. Bare: the sync vector env "
+        "alone with random actions for 1 s."
     )
 
 

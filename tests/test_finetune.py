@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import online_envs
 import polars as pl
 import pytest
@@ -307,15 +308,25 @@ def test_a_run_cut_at_k_iterations_is_the_longer_runs_first_k(tiny, tmp_path):
     assert run(tmp_path / "short", 2).equals(run(tmp_path / "long", 3).head(2))
 
 
-def test_a_fine_tuned_run_keeps_the_logs_value_network(tiny, tmp_path):
+def test_a_fine_tuned_run_keeps_the_logs_value_network_and_known_texts(tiny, tmp_path):
     from offline_agent.learn.networks import FactorisedQNetwork
-    from offline_agent.learn.policy import load_checkpoint, load_value_network, save_checkpoint
+    from offline_agent.learn.policy import (
+        Policy,
+        load_checkpoint,
+        load_known_texts,
+        load_value_network,
+        save_checkpoint,
+    )
+    from offline_agent.text.known import text_arrays
 
     network, meta = load_checkpoint(tiny["run"])
     meta = {k: v for k, v in meta.items() if k not in ("format", "format_version", "network")}
     torch.manual_seed(1)
     value = FactorisedQNetwork(network.dim, 16, n_heads=1)
-    save_checkpoint(tmp_path / "offline", network, meta, value_network=value)
+    plain = Policy.load(tiny["run"]).encoder.single_view()
+    texts = ["repair the widget", "inspect"]
+    known = text_arrays(texts, plain.encode(texts), plain.dim)
+    save_checkpoint(tmp_path / "offline", network, meta, value_network=value, known_texts=known)
     config = PPOConfig(iterations=1, num_envs=2, num_steps=16, vector="sync")
     finetune(tmp_path / "offline", WIDGET, tmp_path / "ft", config)
     kept = load_value_network(tmp_path / "ft")
@@ -323,3 +334,8 @@ def test_a_fine_tuned_run_keeps_the_logs_value_network(tiny, tmp_path):
     for name, tensor in value.state_dict().items():
         assert torch.equal(kept.state_dict()[name], tensor), name
     assert load_value_network(tiny["run"]) is None  # written without one: a fine-tune of it has none either
+    _, ft_meta = load_checkpoint(tmp_path / "ft")
+    kept_texts = load_known_texts(tmp_path / "ft", ft_meta)
+    assert ft_meta["known_texts"] == 2 and kept_texts is not None
+    for name, array in known.items():
+        np.testing.assert_array_equal(kept_texts[name], array)

@@ -70,8 +70,9 @@ def _recorded(policy: Policy, episodes: int) -> tuple[list[list[int]], list]:
 
 
 def test_lockstep_evaluation_encodes_a_rounds_states_together_and_acts_as_one_text_at_a_time(pipeline):
-    batched = Policy.load(pipeline["run"])
-    alone = Policy.load(pipeline["run"], encoder=TextEncoder(batch_size=1))
+    # Memos that start empty (not with the checkpoint's known texts): what is measured is how they fill.
+    batched = Policy.load(pipeline["run"], known_texts=False)
+    alone = Policy.load(pipeline["run"], encoder=TextEncoder(batch_size=1), known_texts=False)
     passes_batched, passes_alone = ForwardPasses(batched.encoder), ForwardPasses(alone.encoder)
     rounds, outcomes = _recorded(batched, episodes=3)
     assert (rounds, outcomes) == _recorded(alone, episodes=3)
@@ -89,8 +90,9 @@ def test_lockstep_evaluation_encodes_a_rounds_states_together_and_acts_as_one_te
 def test_fine_tuning_rollouts_encode_a_steps_states_together_and_sample_as_one_text_at_a_time(pipeline):
     config = PPOConfig(num_envs=3, num_steps=5, vector="sync", seed=0)
     trainers = [
-        PPOTrainer(Policy.load(pipeline["run"]), PIPELINE, config),
-        PPOTrainer(Policy.load(pipeline["run"], encoder=TextEncoder(batch_size=1)), PIPELINE, config),
+        PPOTrainer(Policy.load(pipeline["run"], known_texts=False), PIPELINE, config),
+        PPOTrainer(Policy.load(pipeline["run"], encoder=TextEncoder(batch_size=1), known_texts=False), PIPELINE,
+                   config),
     ]
     try:
         passes = [ForwardPasses(t.reference.encoder) for t in trainers]
@@ -163,7 +165,7 @@ def test_a_memo_round_trips_through_arrays_in_order_and_bit_for_bit():
 
 
 def test_policies_share_a_memo_or_a_plain_dict_of_vectors(pipeline):
-    first = Policy.load(pipeline["run"])
+    first = Policy.load(pipeline["run"], known_texts=False)  # the shared vectors are the encoded ones only
     second = Policy(first.network, first.encoder, first.meta, memo=first.memo)  # as validation does
     observation = {"text": "Pipeline status: load failed", "candidates": ["retry load", "skip load"]}
     first.act(observation)

@@ -8,7 +8,9 @@ A checkpoint is two files in a run folder:
                          observation_view: `StateSettings.to_meta`), tau, training summary
 
 and, for a run trained with a value network (`offline_agent.learn.value`; `value_network` in the JSON holds
-its constructor arguments), `value.safetensors`; and for one with a tuned encoder, `encoder.safetensors`.
+its constructor arguments), `value.safetensors`; for one with a tuned encoder, `encoder.safetensors`; and
+`texts.safetensors`, the fp32 vectors of the logs' most frequent texts that every memo of the loaded policy
+starts with (`offline_agent.text.known`; `known_texts` in the JSON counts them).
 
 Both are written to temporary names and renamed, the JSON last, so a reader
 sees a whole checkpoint or none. `Policy.load` rebuilds the network from the
@@ -64,6 +66,7 @@ FORMAT = "offline-agent-policy"
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "policy.safetensors"
 VALUE_FILE = "value.safetensors"
+TEXTS_FILE = "texts.safetensors"
 CONFIG_FILE = "policy.json"
 
 
@@ -76,6 +79,7 @@ def save_checkpoint(
     meta: dict[str, Any],
     encoder_layers: dict[str, torch.Tensor] | None = None,
     value_network: torch.nn.Module | None = None,
+    known_texts: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """Write `policy.safetensors` and `policy.json` into `run_dir` atomically; returns the JSON's path.
 
@@ -83,7 +87,8 @@ def save_checkpoint(
     (`StateSettings.to_meta()`; a key left out reads as `StateSettings.from_meta` says).
     `encoder_layers` (a tuned encoder's top layers, `meta["encoder"]["tuned"]` says on which base) go to
     `encoder.safetensors`, written before the JSON like the network's weights, and so does `value_network`
-    (the logs' value, `offline_agent.learn.value`) to `value.safetensors`.
+    (the logs' value, `offline_agent.learn.value`) to `value.safetensors`, and `known_texts` (arrays of
+    `offline_agent.text.known.text_arrays`) to `texts.safetensors`.
     """
     from offline_agent.learn.encoder_tuning import ENCODER_FILE
 
@@ -103,6 +108,12 @@ def save_checkpoint(
         _save_tensors(value_network.state_dict(), value_tmp)
         os.replace(value_tmp, run_dir / VALUE_FILE)
         config["value_network"] = value_network.config()
+    config.pop("known_texts", None)  # a fine-tuned run's meta is its source's: only the texts given count
+    if known_texts is not None:
+        texts_tmp = run_dir / f".{TEXTS_FILE}.tmp-{tag}"
+        _save_tensors({name: torch.from_numpy(np.ascontiguousarray(a)) for name, a in known_texts.items()}, texts_tmp)
+        os.replace(texts_tmp, run_dir / TEXTS_FILE)
+        config["known_texts"] = len(known_texts["offsets"]) - 1
     config_tmp.write_text(json.dumps(config, indent=2) + "\n")
     os.replace(weights_tmp, run_dir / WEIGHTS_FILE)
     os.replace(config_tmp, run_dir / CONFIG_FILE)  # last: the JSON marks a complete checkpoint
@@ -164,6 +175,16 @@ def read_policy_json(folder: Path) -> dict[str, Any]:
             f"(format {meta.get('format')!r} v{meta.get('format_version')!r}): retrain with this offline-agent"
         )
     return meta
+
+
+def load_known_texts(path: str | Path, meta: dict[str, Any]) -> dict[str, np.ndarray] | None:
+    """The known texts' arrays a checkpoint holds (`offline_agent.text.known`), or None for one without."""
+    if not meta.get("known_texts"):
+        return None
+    file = checkpoint_dir(path) / TEXTS_FILE
+    if not file.is_file():
+        raise UserError(f"{file} is missing: policy.json says the run keeps known texts; copy the whole run folder")
+    return {name: t.numpy() for name, t in load_file(str(file)).items()}
 
 
 def load_value_network(path: str | Path, device: str = "cpu") -> torch.nn.Module | None:
@@ -268,10 +289,12 @@ class Policy:
         seed: int = 0,
         device: str = "cpu",
         memo: EmbeddingMemo | dict[str, np.ndarray] | None = None,
+        known_texts: dict[str, np.ndarray] | None = None,
     ):
         """`memo` may be shared by policies with the same encoder, e.g. when comparing several on the same
         episodes: their states often coincide. It is an `EmbeddingMemo` of `encoder`, or a dict (text ->
-        vector) that a memo of this policy's own keeps its vectors in; by default the policy has its own."""
+        vector) that a memo of this policy's own keeps its vectors in; by default the policy has its own.
+        `known_texts` (the checkpoint's, `offline_agent.text.known`) seed it, and `seed_memo` seeds others."""
         from offline_agent.text.cache import EmbeddingMemo
 
         self.network = network.to(device).eval()
@@ -286,6 +309,8 @@ class Policy:
         if isinstance(memo, EmbeddingMemo) and memo.encoder is not encoder:
             raise ValueError(f"the memo passed holds vectors of {memo.encoder!r}, not of this policy's {encoder!r}")
         self.memo = memo if isinstance(memo, EmbeddingMemo) else EmbeddingMemo(encoder, store=memo)
+        self.known_texts = known_texts
+        self.seed_memo(self.memo)
 
     @classmethod
     def load(
@@ -296,12 +321,20 @@ class Policy:
         greedy: bool = True,
         seed: int = 0,
         precision: str = "fp32",
+        known_texts: bool = True,
     ) -> Policy:
         """The policy of a checkpoint (run folder or its policy.json); see `encoder_for` for the encoder and
-        `precision`."""
+        `precision`. Without `known_texts` its memos start empty instead of with the checkpoint's known texts."""
         network, meta = load_checkpoint(path, device)
         encoder = encoder_for(meta, encoder, device, folder=checkpoint_dir(path), precision=precision)
-        return cls(network, encoder, meta, greedy=greedy, seed=seed, device=device)
+        known = load_known_texts(path, meta) if known_texts else None
+        return cls(network, encoder, meta, greedy=greedy, seed=seed, device=device, known_texts=known)
+
+    def seed_memo(self, memo: EmbeddingMemo) -> EmbeddingMemo:
+        """`memo` with the checkpoint's known texts added (`EmbeddingMemo.seed`), if it has any."""
+        if self.known_texts is not None:
+            memo.seed(self.known_texts)
+        return memo
 
     @property
     def algo(self) -> str:

@@ -12,7 +12,10 @@ embedding cache), then one learner runs: `cql` (ours), `bc`, `filtered-bc`
 (top 20% of episodes by return unless configured) or `d3rlpy-cql`. Beside the
 policy, unless `value_head=False`, the logs' value network trains on the same
 features for as many steps (`offline_agent.learn.value`; `value.safetensors`):
-what `advise` and `evaluate --dataset` predict returns and success with.
+what `advise` and `evaluate --dataset` predict returns and success with. The
+checkpoint also keeps the vectors of the logs' most frequent texts
+(`offline_agent.text.known`; `texts.safetensors`), which the loaded policy's
+rollouts then need not encode.
 """
 
 from __future__ import annotations
@@ -214,7 +217,9 @@ def train(
         "config": asdict(config),
     }
     encoder_layers = tuner.layer_state() if tuner is not None else None
-    save_checkpoint(out, network, meta, encoder_layers=encoder_layers, value_network=value_network)
+    # A tuned encoder's vectors are not the cached frozen ones: its memos start empty.
+    known = known_text_arrays(ds, encoder, features) if tuner is None else None
+    save_checkpoint(out, network, meta, encoder_layers, value_network, known)
     final = {name: v for name, v in (history[-1] if history else {}).items() if v is not None}
     summary = {
         **meta,
@@ -228,6 +233,21 @@ def train(
     }
     _write_json(out / SUMMARY_FILE, summary)
     return TrainResult(out, algo, config.steps, seconds, final, features.cache_hits, features.cache_misses)
+
+
+def known_text_arrays(ds: Any, encoder: Any, features: Features) -> dict[str, Any] | None:
+    """The fp32 vectors of the logs' most frequent texts (`offline_agent.text.known`), read from the dataset's
+    embedding cache (where `build_features` put them), for the checkpoint; None for an encoder without a
+    one-view form (duck-typed encoders of experiments)."""
+    from offline_agent.text.cache import CACHE_DIRNAME, EmbeddingCache
+    from offline_agent.text.known import frequent_texts, text_arrays
+
+    if not hasattr(encoder, "single_view"):
+        return None
+    plain = encoder.single_view()
+    texts = frequent_texts(features.state_texts, features.vocab, features.state_settings.per_turn)
+    vectors = EmbeddingCache(ds.path / CACHE_DIRNAME, plain).embed(texts)
+    return text_arrays(texts, vectors, int(plain.dim))
 
 
 def _check_same_settings(built: StateSettings, wanted: StateSettings) -> None:

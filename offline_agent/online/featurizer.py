@@ -45,7 +45,7 @@ class Featurizer:
         self.max_candidates = max_candidates
         self.dim = int(reference.encoder.dim)
         self.grounded = bool(getattr(reference.network, "pair_dim", 0))  # the policy reads each pair's grounding
-        self.memo = EmbeddingMemo(reference.encoder)
+        self.memo = reference.seed_memo(EmbeddingMemo(reference.encoder))  # the checkpoint's known texts
 
     @property
     def encoded(self) -> int:

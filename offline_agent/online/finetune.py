@@ -183,6 +183,7 @@ def finetune(
             encoder_layers = tuned_layers(source, reference.meta)
             # The logs' value (`learn/value.py`) does not change with the policy: the fine-tuned run keeps it.
             value_network = load_value_network(source)
+            known_texts = reference.known_texts  # the source's, carried like its value network
             with _progress(progress, config.iterations, trainer.iteration) as advance:
                 while trainer.iteration < config.iterations:
                     row = trainer.train_iteration()
@@ -194,12 +195,14 @@ def finetune(
                         on_iteration(row)
                     advance(row)
                     if trainer.iteration % config.checkpoint_every == 0 or trainer.iteration == config.iterations:
+                        carried = {"encoder_layers": encoder_layers, "value_network": value_network,
+                                   "known_texts": known_texts}
                         if selector is None:
-                            save_checkpoint(out, trainer.model.policy_head, meta, encoder_layers, value_network)
+                            save_checkpoint(out, trainer.model.policy_head, meta, **carried)
                         else:
                             assert selector.kept_head is not None
                             kept_meta = {**meta, "validation": selector.describe()}
-                            save_checkpoint(out, selector.kept_head, kept_meta, encoder_layers, value_network)
+                            save_checkpoint(out, selector.kept_head, kept_meta, **carried)
                         save_state(state_path, trainer, identity, selector)
         finally:
             trainer.close()

@@ -88,7 +88,7 @@ class PolicySelector:
         self.history: list[tuple[int, int]] = []  # (iteration, successes)
         # States recur across validations (same seeds, a policy that changes little): encode each once. Saved
         # with a run's resume state, like the rollouts' memo: a text's vector depends on its batch by ~1e-7.
-        self.memo = EmbeddingMemo(reference.encoder)
+        self.memo = reference.seed_memo(EmbeddingMemo(reference.encoder))
 
     def play(self, head: torch.nn.Module) -> tuple[int, int]:
         """(successes, env steps) of `head` played greedily on the validation episodes (`Policy` puts it in

@@ -282,34 +282,34 @@ class EmbeddingMemo:
             self.evicted += 1
 
     def arrays(self) -> dict[str, np.ndarray]:
-        """The memo as arrays, least recently used first: `texts` (UTF-8 bytes, uint8), `offsets` (N + 1,
-        int64: text i is texts[offsets[i]:offsets[i + 1]]) and `vectors` (N, D) float32."""
-        encoded = [t.encode("utf-8", errors="surrogatepass") for t in self.vectors]
-        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum([len(b) for b in encoded])
-        width = int(self.plain.dim)
-        stacked = np.stack(list(self.vectors.values())) if self.vectors else np.zeros((0, width), np.float32)
-        return {
-            "texts": np.frombuffer(b"".join(encoded), dtype=np.uint8).copy(),
-            "offsets": offsets,
-            "vectors": stacked.astype(np.float32, copy=False),
-        }
+        """The memo as arrays, least recently used first (`offline_agent.text.known.text_arrays`): `texts`
+        (UTF-8 bytes, uint8), `offsets` (N + 1, int64: text i is texts[offsets[i]:offsets[i + 1]]) and `vectors`
+        (N, D) float32."""
+        from offline_agent.text.known import text_arrays
+
+        return text_arrays(list(self.vectors), list(self.vectors.values()), int(self.plain.dim))
 
     def load_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Replace the memo's texts and vectors (and their order) with those of `arrays()`."""
-        raw = np.asarray(arrays["texts"], dtype=np.uint8).tobytes()
-        offsets = np.asarray(arrays["offsets"], dtype=np.int64)
-        vectors = np.asarray(arrays["vectors"], dtype=np.float32)
-        if len(offsets) != len(vectors) + 1 or (len(vectors) and vectors.shape[1] != self.plain.dim):
-            raise ValueError(
-                f"memo arrays of {len(offsets) - 1} texts and {vectors.shape} vectors do not fit a "
-                f"{self.plain.dim}-d encoder"
-            )
+        from offline_agent.text.known import texts_and_vectors
+
+        entries = list(texts_and_vectors(arrays, int(self.plain.dim)))  # checked before anything is replaced
         self.vectors.clear()
-        for i, vector in enumerate(vectors):
-            text = raw[offsets[i] : offsets[i + 1]].decode("utf-8", errors="surrogatepass")
-            self.vectors[text] = vector.copy()
+        self.vectors.update(entries)
         self._evict()
+
+    def seed(self, arrays: dict[str, np.ndarray]) -> int:
+        """Add the texts of `arrays` (as `arrays()` gives them; a checkpoint's known texts,
+        `offline_agent.text.known`) that the memo does not hold, uncounted; returns how many were added."""
+        from offline_agent.text.known import texts_and_vectors
+
+        added = 0
+        for text, vector in texts_and_vectors(arrays, int(self.plain.dim)):
+            if text not in self.vectors:
+                self.vectors[text] = vector
+                added += 1
+        self._evict()
+        return added
 
     def __repr__(self) -> str:
         return (
