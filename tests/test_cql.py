@@ -503,8 +503,8 @@ def test_train_writes_a_run_folder_and_hits_the_embedding_cache_the_second_time(
     assert metrics["step"].to_list() == [5, 10, 15, 20] and set(METRICS) <= set(metrics.columns)
     assert metrics.equals(pl.read_parquet(tmp_path / "run2" / "metrics.parquet"))  # same seed, same run
     names = sorted(p.name for p in (tmp_path / "run").iterdir())
-    assert names == ["curves.png", "metrics.parquet", "policy.json", "policy.safetensors", "train.json",
-                     "value.safetensors"]
+    assert names == ["curves.png", "metrics.parquet", "policy.json", "policy.safetensors", "texts.safetensors",
+                     "train.json", "value.safetensors"]
     with pytest.raises(UserError, match=r"already holds a trained policy: choose another --out, or pass --overwrite"):
         train(dataset, "cql", tmp_path / "run", steps=5, encoder=enc, state_settings=k0)
     # Features built by the caller carry their state settings; settings that disagree are refused.
