@@ -11,10 +11,10 @@ rest (the input of a feed-forward block's down-projection), and the error of an 
 all the later ones. Quantising every linear layer of all-MiniLM-L6-v2 left vectors at cosine 0.984 to fp32's at
 worst on real logs' turns; keeping the first layer and the down-projections of the second and third in fp32
 (28% of the matrix products' work) raised that to 0.990 (0.996 on average).
-So that a model other than MiniLM cannot silently stray further, `Int8Forward` checks its vectors against fp32
+So that a model other than MiniLM cannot silently stray further, `Int8Encoder` checks its vectors against fp32
 on `PROBE_TEXTS` when it is built and refuses below `MIN_COSINE`.
 
-Each text goes through the model on its own (`TextEncoder` passes batches of one): with one activation scale
+Each text goes through the model on its own (`Int8Encoder` tokenizes it alone): with one activation scale
 per tensor, a text's int8 vector would otherwise depend on the texts padded beside it. Without padding this
 costs nothing measurable, and the export is traced on one unpadded text (its attention mask all ones), which
 is what it is then given.
@@ -40,13 +40,13 @@ import numpy as np
 
 from offline_agent.errors import UserError
 
-#: The smallest cosine of an int8 vector to the fp32 one on PROBE_TEXTS that `Int8Forward` accepts.
+#: The smallest cosine of an int8 vector to the fp32 one on PROBE_TEXTS that `Int8Encoder` accepts.
 MIN_COSINE = 0.99
 
 #: Texts of the kinds a state holds (a task, a tool call, a tool's output, an error, a reply), encoded in fp32
 #: and in int8 when the int8 model is built.
 PROBE_TEXTS = (
-    "[task] Rebook my flight from JFK to SFO on the 14th and keep my seat upgrade.",
+    "Task: Rebook my flight from JFK to SFO on the 14th and keep my seat upgrade.",
     '[act] call search_flights {"origin": "JFK", "destination": "SFO", "date": "2024-05-14"}',
     '[obs] {"flights": [{"id": "HAT123", "departure": "08:15", "seats_left": 3, "price": 412.0}]}',
     "[obs] Traceback (most recent call last): KeyError: 'reservation_id' in update_booking",
@@ -192,7 +192,7 @@ def _quantised_session(model: Any, example: list[Any], names: list[str]) -> Any:
         finally:
             logging.disable(before)
         options = ort.SessionOptions()
-        options.intra_op_num_threads = 1  # passes run side by side instead (`Int8Forward.map`)
+        options.intra_op_num_threads = 1  # passes run side by side instead (`Int8Encoder.encode`)
         options.inter_op_num_threads = 1
         options.log_severity_level = 3  # errors only: its warnings about unused initializers are noise here
         return ort.InferenceSession(quantised.read_bytes(), options, providers=["CPUExecutionProvider"])
