@@ -38,6 +38,8 @@ ROLLOUT_HEADER = [
     "texts encoded per env step", "bf16, empty memo", "texts encoded per env step (empty memo)",
     "whole text, bf16", "bare env steps/s",
 ]
+#: Rollouts per setting; the tables give their median.
+REPEATS = 3
 ENCODER_HEADER = ["encoder", "batch", "torch threads", "texts/s", "min cosine to sentence-transformers fp32"]
 
 
@@ -108,23 +110,35 @@ def cql_run(cache: Path, cql_steps: int, threads: int, retrain: bool = False, pe
         torch.set_num_threads(before)
 
 
-def rollout_rows(run: Path, whole_text_run: Path, env: str, steps: int, threads: int) -> list[list[object]]:
+def rollout_rows(run: Path, whole_text_run: Path, env: str, steps: int, threads: int,
+                 repeats: int = REPEATS) -> list[list[object]]:
     """The rollout table: 1 and 8 envs, 1 and `threads` torch threads; the policy `run` in fp32, bf16 and int8,
-    in bf16 from an empty memo, then the policy on whole-text state vectors (`whole_text_run`) in bf16."""
+    in bf16 from an empty memo, then the policy on whole-text state vectors (`whole_text_run`) in bf16. Each
+    rate is the median of `repeats` rollouts, the settings taking turns (this machine's speed drifts by 10-20%
+    over minutes); texts encoded per env step are the same in every repeat."""
+    import statistics
+
     rows = []
     for t in sorted({1, threads}):
         for n in (1, 8):
-            fp32, per_step = rollout_rate(run, env, n, steps, t)
-            bf16, _ = rollout_rate(run, env, n, steps, t, precision="bf16")
-            int8, _ = rollout_rate(run, env, n, steps, t, precision="int8")
-            empty, empty_per_step = rollout_rate(run, env, n, steps, t, precision="bf16", known_texts=False)
-            whole, _ = rollout_rate(whole_text_run, env, n, steps, t, precision="bf16")
+            settings = {
+                "fp32": (run, {}), "bf16": (run, {"precision": "bf16"}), "int8": (run, {"precision": "int8"}),
+                "empty": (run, {"precision": "bf16", "known_texts": False}),
+                "whole": (whole_text_run, {"precision": "bf16"}),
+            }
+            rates: dict[str, list[float]] = {name: [] for name in settings}
+            per_step: dict[str, float] = {}
+            for _ in range(repeats):
+                for name, (policy_run, options) in settings.items():
+                    rate, per_step[name] = rollout_rate(policy_run, env, n, steps, t, **options)
+                    rates[name].append(rate)
+            rate = {name: statistics.median(values) for name, values in rates.items()}
             bare = bare_rate(env, n)
-            rows.append([n, "sync", t, f"{fp32:.1f}", f"{bf16:.1f}", f"{int8:.1f}", f"{per_step:.2f}",
-                         f"{empty:.1f}", f"{empty_per_step:.2f}", f"{whole:.1f}", f"{bare:,.0f}"])
-            print(f"rollout {n} envs, {t} thread(s): fp32 {fp32:.1f}, bf16 {bf16:.1f}, int8 {int8:.1f} env steps/s "
-                  f"({per_step:.2f} texts encoded per step); bf16 from an empty memo {empty:.1f} ({empty_per_step:.2f} "
-                  f"per step); whole text bf16 {whole:.1f}; bare {bare:,.0f}/s", flush=True)
+            rows.append([n, "sync", t, f"{rate['fp32']:.1f}", f"{rate['bf16']:.1f}", f"{rate['int8']:.1f}",
+                         f"{per_step['bf16']:.2f}", f"{rate['empty']:.1f}", f"{per_step['empty']:.2f}",
+                         f"{rate['whole']:.1f}", f"{bare:,.0f}"])
+            print(f"rollout {n} envs, {t} thread(s): "
+                  + ", ".join(f"{name} {sorted(values)}" for name, values in rates.items()), flush=True)
     return rows
 
 
@@ -184,6 +198,7 @@ def main() -> None:
     parser.add_argument("--retrain", action="store_true", help="retrain the cached CQL run (e.g. after the network "
                         "changed); the logs' embeddings stay cached")
     parser.add_argument("--steps", type=int, default=256, help="env steps timed per rollout setting")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="rollouts per setting (the median is reported)")
     parser.add_argument("--texts", type=int, default=64, help="state texts timed per encoder")
     parser.add_argument("--threads", type=int, default=2, help="torch threads beside 1 (this machine has 2 cores)")
     parser.add_argument("--no-write", action="store_true", help="print the tables only")
@@ -194,7 +209,7 @@ def main() -> None:
 
     run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain)
     whole_text_run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain, per_turn=False)
-    rollouts = rollout_rows(run, whole_text_run, ENV, args.steps, args.threads)
+    rollouts = rollout_rows(run, whole_text_run, ENV, args.steps, args.threads, args.repeats)
     counter = TextEncoder()
     # The whole texts the whole-text policy renders (cut to the encoder's window), as sentence-transformers reads.
     data = offline_folder(Path(args.cache), SIM, 0) / "data"
@@ -203,7 +218,7 @@ def main() -> None:
     encoders = encoder_rows(texts, args.threads)
     table = (
         markdown_table(ROLLOUT_HEADER, rollouts)
-        + f"\n\n{rollout_note(args.steps)}\n\n"
+        + f"\n\n{rollout_note(args.steps, args.repeats)}\n\n"
         + markdown_table(ENCODER_HEADER, encoders)
         + f"\n\n{len(texts)} state texts of the bundled {SIM} logs, rendered as the policy renders states (mean "
         f"{tokens:.0f} tokens, at most 256); each encoder's first call on two texts is not timed. Cosine: the "
@@ -217,10 +232,11 @@ def main() -> None:
                      table, command.strip())
 
 
-def rollout_note(steps: int) -> str:
+def rollout_note(steps: int, repeats: int = REPEATS) -> str:
     return (
         f"Rollout env steps/s on {ENV} with the CQL policy of the online benchmark's offline stage ({steps} env "
-        "steps per setting, a new trainer each time), the policy, renderer and encoder included. The policy has "
+        f"steps per rollout, a new trainer each time; the median of {repeats} rollouts per setting, the settings "
+        "taking turns), the policy, renderer and encoder included. The policy has "
         "per-turn state vectors (the default): its memo keeps the blocks of the state texts, so a step encodes its "
         "new blocks and candidates only (texts encoded per env step). A new trainer's memo starts with the "
         "checkpoint's known texts, the fp32 vectors of the logs' most frequent texts that `train` saves (here all "
