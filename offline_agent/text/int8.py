@@ -152,7 +152,8 @@ class Int8Encoder:
             pooled = hidden.mean(0)
             return pooled / max(float(np.linalg.norm(pooled)), 1e-12)
 
-        workers = torch.get_num_threads()
+        # One text (a single environment's step) runs here: handing it to a thread only adds the hand-off.
+        workers = torch.get_num_threads() if len(texts) > 1 else 1
         if workers > 1 and (self._pool is None or self._pool[0] != workers):
             if self._pool is not None:
                 self._pool[1].shutdown()
