@@ -44,8 +44,7 @@ ENCODER_HEADER = ["encoder", "batch", "torch threads", "texts/s", "min cosine to
 
 
 def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, precision: str = "fp32",
-                 one_text_per_pass: bool = False, ray_actors: int | None = None,
-                 known_texts: bool = True) -> tuple[float, float]:
+                 ray_actors: int | None = None, known_texts: bool = True) -> tuple[float, float]:
     """(env steps/s, texts encoded per env step) of one rollout of about `steps` env steps from a fresh trainer
     (its memo holds the checkpoint's known texts only; none without `known_texts`), policy and encoder included.
     `ray_actors`: the environments in that many Ray actors (`RayVectorEnv`, Ray already started) instead of the
@@ -59,8 +58,6 @@ def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, pre
 
     with deterministic_torch(threads):
         reference = Policy.load(run, precision=precision, known_texts=known_texts)
-        if one_text_per_pass:
-            reference.encoder.batch_size = 1
         reference.encoder.encode(["a first forward pass loads the kernels"])  # not a rollout's cost
         config = PPOConfig(num_envs=n_envs, num_steps=max(1, steps // n_envs), vector="sync", torch_threads=threads)
         envs = None
