@@ -157,7 +157,7 @@ def situation(state_text: str, taken: Sequence[str] | None = None) -> Situation:
     context, observation, shown = _split(blocks, state_text)
     task = "\n".join(blocks[0][1]) if blocks and blocks[0][0] == TASK else ""
     taken = shown if taken is None else list(taken)
-    tools = {parse_action(a).tool_name for a in taken}
+    tools = {call_parts(a).tool_name for a in taken}
     return Situation(
         context,
         observation,
@@ -165,7 +165,7 @@ def situation(state_text: str, taken: Sequence[str] | None = None) -> Situation:
         frozenset(t for t in tools if t),
         taken[-1] if taken else None,
         clauses(context),
-        tuple((c, frozenset(content_words(c))) for c in clauses(task.lower())),
+        task_clauses(task.lower()),
         frozenset(content_words(observation)),
     )
 
@@ -185,6 +185,13 @@ _STOP = frozenset(
 def clauses(text: str) -> tuple[str, ...]:
     """The non-blank clauses of a text."""
     return tuple(c for c in _CLAUSE.split(text) if c.strip())
+
+
+@lru_cache(maxsize=4096)
+def task_clauses(task: str) -> tuple[tuple[str, frozenset[str]], ...]:
+    """The clauses of a (lowercase) task with their content words; cached, as an episode's task is read at
+    every step."""
+    return tuple((c, frozenset(content_words(c))) for c in clauses(task))
 
 
 def content_words(text: str) -> set[str]:
@@ -210,12 +217,31 @@ def grounding(state_text: str, action_text: str, taken: Sequence[str] | None = N
     return features_in(situation(state_text, taken), action_text)
 
 
+@dataclass(frozen=True)
+class CallParts:
+    """What grounding reads of an action text alone: is it a tool call, its tool, its distinct values."""
+
+    is_call: bool
+    tool_name: str | None
+    values: tuple[str, ...]
+
+
+@lru_cache(maxsize=65536)
+def call_parts(action_text: str) -> CallParts:
+    """The `CallParts` of a canonical action text. Cached: a rollout scores the same few candidates at every
+    step, and parsing their JSON again was a tenth of a rollout step's Python time."""
+    parsed = parse_action(action_text)
+    if parsed.kind != TOOL_CALL:
+        return CallParts(False, None, ())
+    return CallParts(True, parsed.tool_name, tuple(dict.fromkeys(argument_values(parsed.tool_args))))
+
+
 def features_in(where: Situation, action_text: str) -> np.ndarray:
     """(P,) float32 GROUNDING_FEATURES of a canonical action text in a `Situation`."""
-    parsed = parse_action(action_text)
+    parsed = call_parts(action_text)
     found = dict.fromkeys(GROUNDING_FEATURES, 0.0)
-    if parsed.kind == TOOL_CALL:
-        values = list(dict.fromkeys(argument_values(parsed.tool_args)))
+    if parsed.is_call:
+        values = parsed.values
         found["is_call"] = 1.0
         if values:
             found["has_values"] = 1.0
