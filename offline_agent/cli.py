@@ -631,8 +631,9 @@ def evaluate_command(
     fqe_steps: int = typer.Option(1500, "--fqe-steps", help="FQE gradient steps"),
     fqe_runs: int = typer.Option(
         3, "--fqe-runs",
-        help="FQE fits (seeds SEED, SEED+1, ...), each on a bootstrap resample of the test episodes, so the "
-        "interval covers the fit's dependence on them too; 1 fits the test split itself",
+        help="FQE refits (seeds SEED, SEED+1, ...) on bootstrap resamples of the test episodes, beside the fit on "
+        "the test split that gives the value: their spread widens its interval (0 or 1: the test episodes' spread "
+        "alone)",
     ),
     fqe_bounds: bool = typer.Option(
         True, "--fqe-bounds/--no-fqe-bounds",
@@ -708,7 +709,7 @@ def _fqe_summary(f: dict) -> str:
     low, high = f["fqe_ci95"]
     line = (
         f"FQE on {f['episodes']} held-out episodes of {f['dataset']} ({f['split']} split): value "
-        f"{f['fqe_value']:.3f} (95% CI {low:.3f}-{high:.3f}, {f['fqe_runs']} fits) vs {f['behaviour_value']:.3f} "
+        f"{f['fqe_value']:.3f} (95% CI {low:.3f}-{high:.3f}, {f['fqe_runs']} refits) vs {f['behaviour_value']:.3f} "
         f"for the logged behaviour (gamma {f['gamma']}); coverage {f['coverage']:.2f} of the policy's choices "
         f"logged in one of the {f['coverage_k']} most similar states"
     )

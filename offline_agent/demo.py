@@ -42,8 +42,8 @@ def stages(out: Path, quick: bool) -> list[tuple[str, list[str]]]:
     batch_size = "32" if quick else "64"
     iterations = "1" if quick else "6"
     episodes = "5" if quick else "40"
-    # FQE's default 1500 steps x 3 fits cost ~70 s here; on the sample's ~10 test episodes the estimate is flagged
-    # whatever its budget, so the tour shows it at 500.
+    # FQE's default 1500 steps cost ~23 s a fit here (the value, 3 refits, 6 for the bounds); on the sample's ~10
+    # test episodes the estimate is flagged whatever its budget, so the tour shows it at 500.
     fqe_budget = ["--fqe-steps", "50", "--fqe-runs", "2"] if quick else ["--fqe-steps", "500"]
     # Fine-tuning keeps its default guard of 32 validation episodes: the demo's 6 iterations start from a weak CQL
     # policy (100 logs, 500 steps). With whole-text state vectors, at the default tau 0.2, on a Xeon, the guard

@@ -214,11 +214,11 @@ class OffPolicyReport:
     dataset: str
     split: str
     episodes: int
-    fqe_value: float  # estimated discounted value of the policy at the split's first states (mean over runs)
+    fqe_value: float  # estimated discounted value of the policy at the split's first states (the fit on the split)
     behaviour_value: float  # discounted return the logged episodes actually got
     gamma: float
-    fqe_ci95: tuple[float, float] = (math.nan, math.nan)  # bootstrap over the split's episodes and the FQE runs
-    fqe_runs: int = 1  # FQE fits, one per seed
+    fqe_ci95: tuple[float, float] = (math.nan, math.nan)  # over the split's first states and the refits (fqe_interval)
+    fqe_runs: int = 0  # FQE refits on bootstrap resamples of the split's episodes, one per seed
     coverage: float = math.nan  # share of the policy's choices logged in one of the k most similar states
     coverage_k: int = 10
     # The value whatever the policy does where the logs do not show its choice: the 2.5% point of the fits that
@@ -280,52 +280,51 @@ def off_policy_value(
     coverage_k: int = 10,
     bounds: bool = True,
 ) -> OffPolicyReport:
-    """FQE estimate of a run's (greedy) policy on the held-out split of `dataset`, fitted `runs` times (seeds
-    `seed`, `seed + 1`, ...), with a bootstrap 95% interval over the split's episodes and the runs, and the
-    coverage of the policy's choices by the logs of the other splits (`learn/confidence.py`). With `bounds`,
-    `runs` more fits each, on every logged transition, assume the logs' lowest and highest return where they do
-    not show the policy's choice, and bracket its value at the split's first states whatever it does there
-    (`fqe_bounds`)."""
+    """FQE estimate of a run's (greedy) policy on the held-out split of `dataset`: the fit on the split (seed
+    `seed`), with a 95% interval over the split's first states and `runs` refits on bootstrap resamples of its
+    episodes (seeds `seed`, `seed + 1`, ...; `fqe_interval`), and the coverage of the policy's choices by the
+    logs of the other splits (`learn/confidence.py`). With `bounds`, `runs` fits each (at least one), on every
+    logged transition, assume the logs' lowest and highest return where they do not show the policy's choice,
+    and bracket its value at the split's first states whatever it does there (`fqe_bounds`)."""
     import torch
 
-    from offline_agent.learn.confidence import action_coverage, bootstrap_interval
+    from offline_agent.learn.confidence import action_coverage, bootstrap_interval, fqe_interval
     from offline_agent.learn.features import SPLITS, build_features
     from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation, policy_distribution
     from offline_agent.learn.policy import Policy, load_value_network
 
-    if runs < 1:
-        raise UserError(f"--fqe-runs must be at least 1, got {runs}")
+    if runs < 0:
+        raise UserError(f"--fqe-runs must be 0 or more, got {runs}")
     policy = Policy.load(run, encoder=encoder, device=device)
     gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
     features = build_features(dataset, policy.encoder, policy.state_settings)
-    fits: dict[str, list[Any]] = {}
-    for unlogged in ("extrapolate", "low", "high") if bounds else ("extrapolate",):
-        fits[unlogged] = []
-        for r in range(runs):
-            # Several fits each see a bootstrap resample of the split's episodes: refitting is what shows how much
-            # the estimate owes to the few episodes a split holds (fits on the same episodes agree with each other
-            # however far off they are: their interval covered the truth in 2 of 6 settings, against 3 of 6 with
-            # resamples, docs/limits.md). One fit sees them all.
-            # The bounds fit every logged transition: the more of the logs they see, the fewer of the policy's
-            # choices they must bound (on the test split alone they spanned nearly [0, 1] in all six benchmark
-            # settings, benchmarks/results/fqe_coverage_testsplit_bounds.md). The estimate keeps to the held-out split.
-            config = FQEConfig(
-                steps=steps, gamma=gamma, seed=seed + r, device=device, split=split, tau=policy.tau,
-                resample=runs > 1, unlogged=unlogged, fit_on="split" if unlogged == "extrapolate" else "all",
-            )
-            fits[unlogged].append(fitted_q_evaluation(features, policy.network, config))
-            if not math.isfinite(fits[unlogged][-1].value):
-                raise UserError("FQE diverged (non-finite value): try fewer --fqe-steps or a smaller learning rate")
-    results = fits["extrapolate"]
+
+    def fit(fit_seed: int, resample: bool, unlogged: str = "extrapolate") -> Any:
+        # The bounds fit every logged transition: the more of the logs they see, the fewer of the policy's
+        # choices they must bound (on the test split alone they spanned nearly [0, 1] in all six benchmark
+        # settings, benchmarks/results/fqe_coverage_testsplit_bounds.md). The estimate keeps to the held-out split.
+        config = FQEConfig(
+            steps=steps, gamma=gamma, seed=fit_seed, device=device, split=split, tau=policy.tau, resample=resample,
+            unlogged=unlogged, fit_on="split" if unlogged == "extrapolate" else "all",
+        )
+        result = fitted_q_evaluation(features, policy.network, config)
+        if not math.isfinite(result.value):
+            raise UserError("FQE diverged (non-finite value): try fewer --fqe-steps or a smaller learning rate")
+        return result
 
     def episode_values(results: list[Any]) -> np.ndarray:
-        return np.stack([result.episode_values.numpy() for result in results])  # (runs, episodes)
+        return np.stack([result.episode_values.numpy() for result in results])  # (fits, episodes)
 
-    values = episode_values(results)
+    # The value is the fit on the split itself. Refits on resamples show how much it owes to which episodes the
+    # split happens to hold; their mean is no estimate: a resample has about 63% of the distinct episodes, and
+    # FQE on fewer extrapolates more (PipelineRepair: refits 0.71, the split's fit 0.88, simulated 0.87).
+    estimate = fit(seed, resample=False)
+    refits = [fit(seed + r, resample=True) for r in range(runs)]
     fqe_bounds = (math.nan, math.nan)
     if bounds:
-        fqe_bounds = (bootstrap_interval(episode_values(fits["low"]), seed=seed)[0],
-                      bootstrap_interval(episode_values(fits["high"]), seed=seed)[1])
+        low, high = ([fit(seed + r, runs > 1, side) for r in range(max(runs, 1))] for side in ("low", "high"))
+        fqe_bounds = (bootstrap_interval(episode_values(low), seed=seed)[0],
+                      bootstrap_interval(episode_values(high), seed=seed)[1])
     rows = features.rows(split)
     ids, _, probs = policy_distribution(policy.network, features, rows, policy.tau, greedy=True)
     chosen = ids.gather(1, probs.argmax(1, keepdim=True))[:, 0]  # (n,) the greedy policy's action ids
@@ -341,11 +340,11 @@ def off_policy_value(
         policy=f"{policy.algo} ({run})",
         dataset=str(dataset),
         split=split,
-        episodes=results[0].episodes,
-        fqe_value=float(values.mean()),
-        behaviour_value=results[0].behaviour_value,
+        episodes=estimate.episodes,
+        fqe_value=estimate.value,
+        behaviour_value=estimate.behaviour_value,
         gamma=gamma,
-        fqe_ci95=bootstrap_interval(values, seed=seed),
+        fqe_ci95=fqe_interval(estimate.episode_values.numpy(), episode_values(refits) if refits else None),
         fqe_runs=runs,
         coverage=coverage,
         coverage_k=coverage_k,

@@ -11,6 +11,7 @@ from offline_agent.learn.confidence import (
     action_coverage,
     auc_interval,
     bootstrap_interval,
+    fqe_interval,
     logged_nearby,
     roc_auc,
 )
@@ -33,6 +34,22 @@ def test_fqe_runs_that_disagree_widen_the_interval_to_both():
     runs = np.array([[0.2] * 10, [0.6] * 10])
     assert bootstrap_interval(runs) == pytest.approx((0.2, 0.6))
     assert bootstrap_interval(runs[:1]) == pytest.approx((0.2, 0.2))
+
+
+def test_the_fqe_interval_adds_the_first_states_variance_and_the_refits():
+    estimate = np.array([0.2, 0.4, 0.6, 0.8])  # mean 0.5, sample variance 0.2 / 3, of the mean 0.2 / 12
+    refits = np.array([[0.3, 0.5, 0.5, 0.3], [0.5, 0.7, 0.7, 0.5]])  # refit means 0.4 and 0.6: variance 0.02
+    z = 1.959963984540054
+    half = z * np.sqrt(0.2 / 12 + 0.02)
+    assert fqe_interval(estimate, refits) == pytest.approx((0.5 - half, 0.5 + half), abs=1e-12)
+    only_states = z * np.sqrt(0.2 / 12)
+    assert fqe_interval(estimate) == pytest.approx((0.5 - only_states, 0.5 + only_states), abs=1e-12)
+    assert fqe_interval(estimate, refits[:1]) == fqe_interval(estimate)  # one refit has no spread to add
+    # Refits that agree add nothing, however far they are from the estimate: the interval is around the estimate.
+    assert fqe_interval(estimate, np.zeros((3, 4))) == fqe_interval(estimate)
+    assert fqe_interval(np.full(5, 0.25)) == (0.25, 0.25)
+    with pytest.raises(ValueError, match="one value per first state"):
+        fqe_interval(np.zeros(0))
 
 
 def test_half_successes_match_the_binomial_interval():
