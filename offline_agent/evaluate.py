@@ -243,10 +243,10 @@ class OffPolicyReport:
 #: Below this coverage the report warns that FQE extrapolates (`learn/confidence.py`).
 LOW_COVERAGE = 0.5
 #: Below this many held-out episodes the report warns that FQE's value is not one to act on, whatever the
-#: coverage: from test splits of 14-16 episodes (150 logs) it missed the simulated value by 0.10-0.23, once
-#: with a coverage of 0.77 (PipelineRepair 0.507 [0.344, 0.631] against 0.700); from 73-90 episodes by at
-#: most 0.16, and within its interval where the coverage was high (benchmarks/results/fqe_coverage.md).
-#: 50 is a line between the two, not a measured optimum.
+#: coverage: from test splits of 14-16 episodes (150 logs) it missed the simulated value by 0.05-0.19, once
+#: with a coverage of 0.75 (PipelineRepair 0.599 against 0.676); from 55-90 episodes by at most 0.115, and by
+#: at most 0.021 where the coverage was high (benchmarks/results/fqe_coverage.md). 50 is a line between the
+#: two, not a measured optimum.
 FEW_EPISODES = 50
 
 
