@@ -193,6 +193,7 @@ def test_evaluate_a_behaviour_policy_spec():
          "--tune-encoder-layers tunes the encoder over whole state texts: drop --observation-view"),
         (["evaluate", "{tmp}", "--env", SPEC], "holds no policy checkpoint"),
         (["evaluate", "{tmp}"], "evaluate needs --env ENV"),
+        (["evaluate", "{tmp}", "--dataset", "{ds}", "--fqe-runs", "-1"], "--fqe-runs must be 0 or more, got -1"),
         (["evaluate", "behaviour:sometimes", "--env", SPEC], "unknown policy 'sometimes'"),
         (["evaluate", "behaviour:expert", "--env", "no_such_module:env"], "cannot import module"),
     ],
