@@ -18,7 +18,13 @@ regression on the task's embedding fitted to the train split's successes, and th
 same on the first state's embedding (the task and the first observation, what the
 value sees). Both learners are trained with `--seeds` seeds (default 3); their AUCs
 are the seeds' mean with their range, the baselines (fitted by L-BFGS from zero)
-have one value. The last column is the value network's mean first-step AUC minus
+have one value. Beside them, a reference that no learner gets: the train split's
+success rate of each test episode's own task, by the logs' task id, where tasks
+were run more than once (τ-bench: 50 tasks, 4 runs each; a run's outcome varies
+with the agent's sampling and the simulated customer's). A first-step score sees
+little more than which task an episode runs (the customer's opening message, the
+agent's first reply), so this is a reference for how much the train split's runs
+can teach one. The last column is the value network's mean first-step AUC minus
 the better baseline's: the issue's target is +0.05 on every source. Its interval is
 a paired bootstrap over the test episodes (the seeds' scores and the better
 baseline's resampled together): a gap whose interval holds 0 is not one the test
@@ -97,6 +103,35 @@ def logistic_regression(x_train, y_train, x_test, weight_decay: float = 1e-2):
     opt.step(closure)
     with torch.no_grad():
         return torch.sigmoid(torch.as_tensor(x_test, dtype=torch.float32) @ w + b).numpy()
+
+
+def same_task_rates(episodes: dict, train_ids: set, test_ids: list) -> list[float] | None:
+    """Each test episode's score by task identity: the success rate, in the train split, of the episodes that
+    ran the same task (the episode metadata's `task_id`, within its `dataset` where it names one; the train
+    split's overall rate for a task it lacks and for an episode without a task id).
+    None where no two episodes share a task id (then every test episode's task is unseen).
+
+    No learner is given the task id: this is the reference for what a first-step score can reach when each
+    task was run several times and its outcome varies between runs (τ-bench: 50 tasks, 4 runs each)."""
+    import json
+
+    def task_key(metadata: str | None):
+        meta = json.loads(metadata or "{}")
+        # InterCode numbers its tasks within each dataset file: task 0 of two files are two tasks.
+        return None if meta.get("task_id") is None else (meta.get("dataset"), meta["task_id"])
+
+    task = {e: task_key(m) for e, m in zip(episodes["episode_id"], episodes["metadata"], strict=True)}
+    success = dict(zip(episodes["episode_id"], episodes["success"], strict=True))
+    ids = [t for t in task.values() if t is not None]
+    if len(set(ids)) == len(ids):
+        return None
+    known = [e for e in train_ids if success[e] is not None]
+    overall = sum(float(success[e]) for e in known) / len(known)
+    outcomes: dict = {}
+    for e in known:
+        if task[e] is not None:  # episodes without a task id are no one task's runs
+            outcomes.setdefault(task[e], []).append(float(success[e]))
+    return [sum(outcomes[task[e]]) / len(outcomes[task[e]]) if task[e] in outcomes else overall for e in test_ids]
 
 
 def make_dataset(name: str, source: Path, reward: str, max_episodes: int, workdir: Path) -> Path:
@@ -190,6 +225,9 @@ def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int, mc_wei
     by_task = logistic_regression(task_emb(train[keep]), y_train, task_emb(test))
     by_state = logistic_regression(features.state_emb[train[keep]].numpy(), y_train, state.numpy())
     p_task, p_state = roc_auc(by_task, label), roc_auc(by_state, label)
+    by_identity = same_task_rates(episodes, {features.episode_ids[int(e)] for e in features.episode_index[train]},
+                                  [features.episode_ids[int(e)] for e in features.episode_index[test]])
+    identity = "n/a (one episode per task)" if by_identity is None else f"{roc_auc(by_identity, label):.3f}"
     # Against the baseline that is better on the whole test split; the interval says whether the gap is more
     # than which episodes the split happened to hold (54 episodes give an AUC a standard error near 0.07).
     low, high = auc_difference_interval(seed_scores, by_task if p_task >= p_state else by_state, label)
@@ -201,7 +239,7 @@ def run(name: str, dataset: Path, budget: dict, encoder, log, seeds: int, mc_wei
 
     return [
         name, f"{len(test)} ({int(label.sum())} successes)", spread(aucs["value"]), spread(aucs["value_steps"]),
-        spread(aucs["q_logged"]), spread(aucs["q_steps"]), f"{p_task:.3f}", f"{p_state:.3f}",
+        spread(aucs["q_logged"]), spread(aucs["q_steps"]), f"{p_task:.3f}", f"{p_state:.3f}", identity,
         f"{np.mean(aucs['value']) - max(p_task, p_state):+.3f} [{low:+.3f}, {high:+.3f}]",
     ]
 
@@ -260,12 +298,16 @@ def main() -> None:
         + (f"whole-text state vectors (a text cut to {b['max_length']} tokens)" if args.whole_text
            else f"per-turn state vectors (each block cut to {b['max_length']} tokens)")
         + (f", at most {b['max_episodes']} episodes per source" if b["max_episodes"] else "")
-        + ". The last column: the value network's first-step AUC minus the better baseline's, with a paired "
+        + ". Same task's train success rate: a reference no learner gets, each test episode scored by the "
+        "success rate of the train split's episodes of the same task (the logs' task id; τ-bench ran each of its "
+        "50 tasks 4 times): what knowing the task exactly is worth where its runs' outcomes vary. "
+        "The last column: the value network's first-step AUC minus the better baseline's, with a paired "
         "bootstrap interval over the test episodes (2000 draws). "
         + f"Total {(time.perf_counter() - start) / 60:.1f} min.\n\n"
         + markdown_table(["logs", "test episodes", "value network, first step", "value network, per step",
                           "CQL Q(s0, a0)", "CQL Q(s, a) per step", "task-only logistic regression",
-                          "first-state logistic regression", "value network - best baseline [95% interval]"], rows)
+                          "first-state logistic regression", "same task's train success rate",
+                          "value network - best baseline [95% interval]"], rows)
     )
     some_sources = sorted(args.sources) != sorted(SLUGS)
     command = "python benchmarks/real_logs_auc.py" + (" --full" if args.full else "") + (
