@@ -9,7 +9,11 @@ or nothing), 1 and 8 environments, 1 and `--threads` torch threads, the encoder 
 blocks), and the same stage trained on whole-text vectors (`--whole-text`: a step encodes its new state texts
 whole) is timed beside it in bf16.
 
-The second table: texts/s of `TextEncoder.encode` against sentence-transformers' own
+The second table follows one fine-tuning run's first 16 rollouts (the default 8 envs x 64 steps each) from an
+empty memo, in bf16 and int8, against bf16 from the known texts: a new trainer's first rollout encodes most
+of what it meets, and the memo it fills serves the rollouts after it.
+
+The third table: texts/s of `TextEncoder.encode` against sentence-transformers' own
 `SentenceTransformer(path).encode` (the same packaged model folder, batches of 8) on the same rendered state
 texts of the logs, and the smallest cosine of each to sentence-transformers' fp32 vectors.
 
@@ -74,6 +78,68 @@ def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, pre
         finally:
             trainer.close()
     return config.batch_size / seconds, trainer.featurizer.encoded / config.batch_size
+
+
+def run_rollout_times(run: Path, env: str, iterations: int, threads: int, precision: str,
+                      known_texts: bool) -> tuple[list[float], float]:
+    """(seconds of each rollout, texts encoded per env step over them all) of one fine-tuning run's first
+    `iterations` rollouts (the default 8 envs x 64 steps each), the policy held fixed: one trainer, so its memo
+    fills as a run's does, and the environments re-seeded at its checkpoints as a run's are."""
+    import torch
+
+    from offline_agent.determinism import deterministic_torch
+    from offline_agent.learn.policy import Policy
+    from offline_agent.online.config import PPOConfig
+    from offline_agent.online.ppo import PPOTrainer
+
+    with deterministic_torch(threads):
+        reference = Policy.load(run, precision=precision, known_texts=known_texts)
+        reference.encoder.encode(["a first forward pass loads the kernels"])  # not a rollout's cost
+        config = PPOConfig(vector="sync", torch_threads=threads)
+        trainer = PPOTrainer(reference, env, config)
+        seconds = []
+        try:
+            for _ in range(iterations):
+                start = time.perf_counter()
+                with torch.no_grad():
+                    trainer.collect_rollout(beta=0.1)
+                seconds.append(time.perf_counter() - start)
+                trainer.iteration += 1  # what `iterate` counts: the env seeds of the next reset
+        finally:
+            trainer.close()
+    return seconds, trainer.featurizer.encoded / (config.batch_size * iterations)
+
+
+#: The spans of a run's rollouts (first, last; 1-based) that the run table reports.
+RUN_SPANS = ((1, 1), (2, 4), (5, 16), (1, 16))
+RUN_HEADER = ["encoder", "memo", "rollout 1", "rollouts 2-4", "rollouts 5-16", "rollouts 1-16",
+              "texts encoded per env step"]
+
+
+def run_rollout_rows(run: Path, env: str, threads: int, repeats: int = REPEATS) -> list[list[object]]:
+    """The run table: env steps/s over spans of a fine-tuning run's first 16 rollouts (8 envs, `threads` torch
+    threads), bf16 and int8 from an empty memo and bf16 from the checkpoint's known texts; each the median of
+    `repeats` runs, the settings taking turns."""
+    import statistics
+
+    from offline_agent.online.config import PPOConfig
+
+    steps = PPOConfig().batch_size
+    settings = {("bf16", "empty"): ("bf16", False), ("int8", "empty"): ("int8", False),
+                ("bf16", "known texts"): ("bf16", True)}
+    times: dict[tuple[str, str], list[list[float]]] = {name: [] for name in settings}
+    per_step: dict[tuple[str, str], float] = {}
+    for _ in range(repeats):
+        for name, (precision, known) in settings.items():
+            seconds, per_step[name] = run_rollout_times(run, env, RUN_SPANS[-1][1], threads, precision, known)
+            times[name].append(seconds)
+            print(f"run rollouts {name}: " + ", ".join(f"{steps / t:.0f}" for t in seconds), flush=True)
+    rows = []
+    for name in settings:
+        spans = [statistics.median(steps * (last - first + 1) / sum(run_times[first - 1 : last])
+                                   for run_times in times[name]) for first, last in RUN_SPANS]
+        rows.append([*name, *(f"{rate:.1f}" for rate in spans), f"{per_step[name]:.2f}"])
+    return rows
 
 
 def bare_rate(env: str, n_envs: int, seconds: float = 1.0) -> float:
@@ -207,6 +273,7 @@ def main() -> None:
     run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain)
     whole_text_run = cql_run(Path(args.cache), args.cql_steps, args.threads, args.retrain, per_turn=False)
     rollouts = rollout_rows(run, whole_text_run, ENV, args.steps, args.threads, args.repeats)
+    run_rows = run_rollout_rows(run, ENV, args.threads, args.repeats)
     counter = TextEncoder()
     # The whole texts the whole-text policy renders (cut to the encoder's window), as sentence-transformers reads.
     data = offline_folder(Path(args.cache), SIM, 0) / "data"
@@ -216,6 +283,8 @@ def main() -> None:
     table = (
         markdown_table(ROLLOUT_HEADER, rollouts)
         + f"\n\n{rollout_note(args.steps, args.repeats)}\n\n"
+        + markdown_table(RUN_HEADER, run_rows)
+        + f"\n\n{run_note(args.threads, args.repeats)}\n\n"
         + markdown_table(ENCODER_HEADER, encoders)
         + f"\n\n{len(texts)} state texts of the bundled {SIM} logs, rendered as the policy renders states (mean "
         f"{tokens:.0f} tokens, at most 256); each encoder's first call on two texts is not timed. Cosine: the "
@@ -242,6 +311,16 @@ def rollout_note(steps: int, repeats: int = REPEATS) -> str:
         "many passes at once as torch threads. Whole text: the same offline stage trained on whole-text state "
         "vectors (`train --whole-text`), whose step encodes each new state text whole. Bare: the sync vector env "
         "alone with random actions for 1 s."
+    )
+
+
+def run_note(threads: int, repeats: int = REPEATS) -> str:
+    return (
+        f"Env steps/s over the first 16 rollouts of one fine-tuning run (8 envs x 64 steps each, the defaults; "
+        f"{threads} torch threads), the same policy held fixed (no updates between them), so that the memo fills "
+        "as a run's does: spans of rollouts, each rate the steps of the span over its rollouts' time, the median "
+        f"of {repeats} runs (the settings taking turns). A memo that starts empty encodes most blocks of the first "
+        "rollout and few after it; a run that learns visits new states and encodes somewhat more."
     )
 
 
