@@ -53,6 +53,16 @@ def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, pre
     (its memo holds the checkpoint's known texts only; none without `known_texts`), policy and encoder included.
     `ray_actors`: the environments in that many Ray actors (`RayVectorEnv`, Ray already started) instead of the
     sync vector env."""
+    config, (seconds,), per_step = rollout_times(run, env, n_envs, max(1, steps // n_envs), 1, threads, precision,
+                                                 ray_actors, known_texts)
+    return config.batch_size / seconds, per_step
+
+
+def rollout_times(run: Path, env: str, n_envs: int, steps_per_env: int, rollouts: int, threads: int,
+                  precision: str, ray_actors: int | None = None, known_texts: bool = True):
+    """(PPOConfig, seconds of each rollout, texts encoded per env step over them all) of a fresh trainer's first
+    `rollouts` rollouts of `n_envs` x `steps_per_env` env steps, the policy held fixed: one trainer, so its memo
+    fills as a fine-tuning run's does, and the environments re-seeded at its checkpoints as a run's are."""
     import torch
 
     from offline_agent.determinism import deterministic_torch
@@ -63,43 +73,16 @@ def rollout_rate(run: Path, env: str, n_envs: int, steps: int, threads: int, pre
     with deterministic_torch(threads):
         reference = Policy.load(run, precision=precision, known_texts=known_texts)
         reference.encoder.encode(["a first forward pass loads the kernels"])  # not a rollout's cost
-        config = PPOConfig(num_envs=n_envs, num_steps=max(1, steps // n_envs), vector="sync", torch_threads=threads)
+        config = PPOConfig(num_envs=n_envs, num_steps=steps_per_env, vector="sync", torch_threads=threads)
         envs = None
         if ray_actors is not None:
             from offline_agent.online.ray_envs import RayVectorEnv
 
             envs = RayVectorEnv(env, n_envs, actors=ray_actors)
         trainer = PPOTrainer(reference, env, config, envs=envs)
-        try:
-            start = time.perf_counter()
-            with torch.no_grad():
-                trainer.collect_rollout(beta=0.1)
-            seconds = time.perf_counter() - start
-        finally:
-            trainer.close()
-    return config.batch_size / seconds, trainer.featurizer.encoded / config.batch_size
-
-
-def run_rollout_times(run: Path, env: str, iterations: int, threads: int, precision: str,
-                      known_texts: bool) -> tuple[list[float], float]:
-    """(seconds of each rollout, texts encoded per env step over them all) of one fine-tuning run's first
-    `iterations` rollouts (the default 8 envs x 64 steps each), the policy held fixed: one trainer, so its memo
-    fills as a run's does, and the environments re-seeded at its checkpoints as a run's are."""
-    import torch
-
-    from offline_agent.determinism import deterministic_torch
-    from offline_agent.learn.policy import Policy
-    from offline_agent.online.config import PPOConfig
-    from offline_agent.online.ppo import PPOTrainer
-
-    with deterministic_torch(threads):
-        reference = Policy.load(run, precision=precision, known_texts=known_texts)
-        reference.encoder.encode(["a first forward pass loads the kernels"])  # not a rollout's cost
-        config = PPOConfig(vector="sync", torch_threads=threads)
-        trainer = PPOTrainer(reference, env, config)
         seconds = []
         try:
-            for _ in range(iterations):
+            for _ in range(rollouts):
                 start = time.perf_counter()
                 with torch.no_grad():
                     trainer.collect_rollout(beta=0.1)
@@ -107,7 +90,7 @@ def run_rollout_times(run: Path, env: str, iterations: int, threads: int, precis
                 trainer.iteration += 1  # what `iterate` counts: the env seeds of the next reset
         finally:
             trainer.close()
-    return seconds, trainer.featurizer.encoded / (config.batch_size * iterations)
+    return config, seconds, trainer.featurizer.encoded / (config.batch_size * rollouts)
 
 
 #: The spans of a run's rollouts (first, last; 1-based) that the run table reports.
@@ -124,14 +107,16 @@ def run_rollout_rows(run: Path, env: str, threads: int, repeats: int = REPEATS) 
 
     from offline_agent.online.config import PPOConfig
 
-    steps = PPOConfig().batch_size
+    default = PPOConfig()
+    steps = default.batch_size
     settings = {("bf16", "empty"): ("bf16", False), ("int8", "empty"): ("int8", False),
                 ("bf16", "known texts"): ("bf16", True)}
     times: dict[tuple[str, str], list[list[float]]] = {name: [] for name in settings}
     per_step: dict[tuple[str, str], float] = {}
     for _ in range(repeats):
         for name, (precision, known) in settings.items():
-            seconds, per_step[name] = run_rollout_times(run, env, RUN_SPANS[-1][1], threads, precision, known)
+            _, seconds, per_step[name] = rollout_times(run, env, default.num_envs, default.num_steps,
+                                                       RUN_SPANS[-1][1], threads, precision, known_texts=known)
             times[name].append(seconds)
             print(f"run rollouts {name}: " + ", ".join(f"{steps / t:.0f}" for t in seconds), flush=True)
     rows = []
