@@ -39,7 +39,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -86,16 +86,20 @@ def offline_folder(cache: Path, sim: str, logs: int) -> Path:
     return cache / (f"{sim}-logs{logs}" if logs else sim)
 
 
-def cached_run_fits(run: Path, views: Any) -> bool:
-    """Whether `run` holds a trained policy whose states are rendered and embedded as `views` (a `StateSettings`)
-    ask, k and the token budget aside: a run cached before per-turn vectors became the default sits where
-    the default run goes, and is retrained rather than reused."""
+def cached_run_fits(run: Path, views: Any, cql_steps: int) -> bool:
+    """Whether `run` holds a policy trained as `offline_stage` trains one now: states rendered and embedded as
+    `views` (a `StateSettings`) ask, k and the token budget aside, and CQL's config the default one of
+    `cql_steps` steps. A run cached before a default changed (per-turn vectors, CQL's discount) sits where the
+    default run goes, and is retrained rather than reused."""
+    from offline_agent.learn.train import make_config
     from offline_agent.text.states import StateSettings
 
     if not (run / "policy.json").is_file():
         return False
-    cached = StateSettings.from_meta(json.loads((run / "policy.json").read_text()))
-    return replace(cached, k=views.k, max_tokens=views.max_tokens) == views
+    meta = json.loads((run / "policy.json").read_text())
+    cached = StateSettings.from_meta(meta)
+    same_config = meta.get("config") == asdict(make_config("cql", steps=cql_steps, seed=0))
+    return same_config and replace(cached, k=views.k, max_tokens=views.max_tokens) == views
 
 
 def offline_stage(
@@ -124,7 +128,7 @@ def offline_stage(
     run = folder / ("cql" + ("-opening" if keep_opening else "") + ("-obsview" if observation_view else "")
                     + ("" if per_turn else "-wholetext"))
     views = StateSettings(keep_opening=keep_opening, observation_view=observation_view, per_turn=per_turn)
-    if cached_run_fits(run, views) and not retrain:
+    if cached_run_fits(run, views, cql_steps) and not retrain:
         return run
     started = time.perf_counter()
     if not (data / "dataset.json").is_file():

@@ -531,6 +531,10 @@ def train_command(
     seed: int = typer.Option(0, "--seed", help="seed of initialisation and batch sampling"),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     alpha: float | None = typer.Option(None, "--alpha", help="CQL conservative weight [default: 1.0]"),
+    gamma: float | None = typer.Option(
+        None, "--gamma", help="cql/d3rlpy-cql: discount of the TD targets (not the dataset's, which its reported "
+        "returns and the value network keep) [default: 0.95]"
+    ),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: packaged MiniLM]"),
     k: int | None = typer.Option(None, "--k", help="previous turns in the state text [default: 3]"),
     keep_opening: bool = typer.Option(
@@ -606,6 +610,8 @@ def train_command(
         settings["head"] = head
     if mc_weight:
         settings["mc_weight"] = mc_weight
+    if gamma is not None:
+        settings["gamma"] = gamma
     result = train(
         dataset, algo, out, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha,
         encoder=encoder, state_settings=state_settings, overwrite=overwrite,

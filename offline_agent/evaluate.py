@@ -177,7 +177,7 @@ def evaluate(
         from offline_agent.learn.policy import Policy
 
         policy = Policy.load(run, encoder=encoder, device=device, precision=encoder_precision)
-        gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
+        gamma = reported_gamma(policy.meta)
         name = f"{policy.algo} ({run_s})"
         if safety is None:
             rules = _saved_safety(policy, run_s)
@@ -193,6 +193,14 @@ def evaluate(
         finally:
             envs.close()
     return replace(summarize(outcomes, name, env, gamma, rules.specs), ray=envs.stats())
+
+
+def reported_gamma(meta: dict[str, Any]) -> float:
+    """The discount a policy's simulated returns are reported at: that of the logs it learned from (policy.json's
+    `dataset.gamma`), whatever its learner bootstrapped with, so that policies of every learner compare; a
+    checkpoint older than that entry trained at the dataset's discount, its config's."""
+    dataset = meta.get("dataset") or {}
+    return float(dataset.get("gamma", meta.get("config", {}).get("gamma", 0.99)))
 
 
 def _saved_safety(policy: Any, run: str) -> SafetyFilter:
@@ -296,8 +304,8 @@ def off_policy_value(
     if runs < 0:
         raise UserError(f"--fqe-runs must be 0 or more, got {runs}")
     policy = Policy.load(run, encoder=encoder, device=device)
-    gamma = float(policy.meta.get("config", {}).get("gamma", 0.99))
     features = build_features(dataset, policy.encoder, policy.state_settings)
+    gamma = features.gamma  # values on the logs are reported at the discount of their returns
 
     def fit(fit_seed: int, resample: bool, unlogged: str = "extrapolate") -> Any:
         # The bounds fit every logged transition: the more of the logs they see, the fewer of the policy's

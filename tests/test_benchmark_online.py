@@ -70,6 +70,28 @@ def test_an_offline_stage_with_the_observation_view_is_a_variant_of_its_own(tmp_
     assert len(folders) == 4
 
 
+def test_a_cached_offline_stage_is_reused_only_if_trained_with_todays_defaults(tmp_path):
+    from dataclasses import asdict
+
+    from benchmarks.online import cached_run_fits
+    from offline_agent.learn.train import make_config
+    from offline_agent.text.states import StateSettings
+
+    run, views = tmp_path / "cql", StateSettings()
+    assert not cached_run_fits(run, views, 2000)  # nothing trained there yet
+    run.mkdir()
+
+    def cache(config: dict, settings: StateSettings = views) -> bool:
+        (run / "policy.json").write_text(json.dumps({**settings.to_meta(), "config": config}))
+        return cached_run_fits(run, views, 2000)
+
+    default = asdict(make_config("cql", steps=2000, seed=0))
+    assert cache(default)
+    # A run of another discount (CQL's default was 0.99), or of other steps, is retrained.
+    assert not cache({**default, "gamma": 0.99}) and not cache({**default, "steps": 1000})
+    assert not cache(default, replace(views, per_turn=False))
+
+
 def test_steps_to_95_percent_on_validation_count_the_validation_episodes_apart():
     metrics = pl.DataFrame({
         "iteration": [1, 2, 3, 4],

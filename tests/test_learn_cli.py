@@ -141,6 +141,31 @@ def test_train_with_the_observation_view_then_evaluate_it_with_the_encoder_folde
     assert json.loads(result.stdout)["episodes"] == 2
 
 
+def test_the_learner_bootstraps_at_its_own_discount_and_values_are_reported_at_the_logs(dataset, tmp_path):
+    from offline_agent.dataset import TrajectoryDataset
+    from offline_agent.evaluate import reported_gamma
+    from offline_agent.learn.cql import DEFAULT_GAMMA
+    from offline_agent.learn.train import SUMMARY_FILE
+
+    logs_gamma = TrajectoryDataset.open(dataset).gamma
+    assert logs_gamma not in (DEFAULT_GAMMA, 0.9)
+    for args, learner_gamma in (([], DEFAULT_GAMMA), (["--gamma", "0.9"], 0.9)):
+        run = tmp_path / f"run{learner_gamma}"
+        result = runner.invoke(app, ["train", str(dataset), "--out", str(run), "--steps", "5", "--k", "0", *args])
+        assert result.exit_code == 0, result.output
+        meta = json.loads((run / "policy.json").read_text())
+        assert (meta["config"]["gamma"], meta["dataset"]["gamma"]) == (learner_gamma, logs_gamma)
+        # The logs' value network predicts the logs' own returns, whatever the policy's learner discounts with.
+        summary = json.loads((run / SUMMARY_FILE).read_text())
+        assert summary["value_network"]["config"]["gamma"] == logs_gamma
+        assert reported_gamma(meta) == logs_gamma
+    result = runner.invoke(app, ["evaluate", str(run), "--env", SPEC, "-n", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["gamma"] == logs_gamma
+    # A checkpoint written before policy.json recorded the logs' discount trained at it: its config's.
+    assert reported_gamma({"config": {"gamma": 0.97}, "dataset": {"name": "old"}}) == 0.97
+
+
 def test_evaluate_prints_a_summary_and_estimates_fqe_on_held_out_logs(dataset, tmp_path):
     run = tmp_path / "run"
     assert runner.invoke(app, ["train", str(dataset), "--out", str(run), "--steps", "10", "--k", "0"]).exit_code == 0

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from offline_agent.errors import UserError
-from offline_agent.learn.cql import OnStep, check_common, train_rows
+from offline_agent.learn.cql import DEFAULT_GAMMA, OnStep, check_common, train_rows
 from offline_agent.learn.features import Features
 from offline_agent.learn.networks import VocabQNetwork
 
@@ -49,7 +49,7 @@ class D3rlpyCQLConfig:
     steps: int = field(default=2000, metadata={"help": "gradient steps"})
     batch_size: int = field(default=256, metadata={"help": "transitions per gradient step"})
     learning_rate: float = field(default=3e-4, metadata={"help": "Adam learning rate"})
-    gamma: float = field(default=0.99, metadata={"help": "discount factor, in [0, 1]"})
+    gamma: float = field(default=DEFAULT_GAMMA, metadata={"help": "discount factor, in [0, 1]"})
     alpha: float = field(default=1.0, metadata={"help": "weight of the conservative term, >= 0"})
     tau: float = field(default=0.1, metadata={"help": "temperature of the policy softmax(Q / tau), > 0"})
     target_update_interval: int = field(default=200, metadata={"help": "steps between hard target copies"})

@@ -143,9 +143,11 @@ def train(
     if algo in ("bc", "filtered-bc") and alpha is not None:
         raise UserError(f"--alpha is the weight of CQL's conservative term; --algo {algo} has none: drop --alpha")
     ds = TrajectoryDataset.open(dataset)
-    # The discount is the dataset's (the one its return_to_go was computed with) unless asked otherwise.
-    settings = {"gamma": ds.gamma, **(settings or {})}
-    config = make_config(algo, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha, **settings)
+    # The learner's discount is its own (`cql.DEFAULT_GAMMA`), not the dataset's: the dataset's gamma is how its
+    # returns are reported, and the value network below predicts those.
+    config = make_config(
+        algo, steps=steps, batch_size=batch_size, seed=seed, device=device, alpha=alpha, **(settings or {})
+    )
     out = Path(out)
     if (out / CONFIG_FILE).exists() and not overwrite:
         raise UserError(f"{out} already holds a trained policy: choose another --out, or pass --overwrite")
@@ -183,8 +185,11 @@ def train(
         # It would learn on the frozen encoder's vectors and be scored on the tuned one's.
         value_summary = {"skipped": "a run with a tuned encoder has no value network"}
     elif value_head:
+        # The logs' value predicts the logs' own returns, at the discount they were ingested with (`--gamma`
+        # of `ingest`), whatever discount the policy's learner bootstraps with.
         value_config = ValueConfig(
-            steps=config.steps, batch_size=config.batch_size, gamma=config.gamma, seed=config.seed, device=config.device
+            steps=config.steps, batch_size=config.batch_size, gamma=features.gamma, seed=config.seed,
+            device=config.device,
         )
         value_start = time.perf_counter()
         with _progress_bar(progress, value_config.steps, "value") as on_step:
@@ -213,7 +218,9 @@ def train(
         "encoder": encoder_meta,
         **features.state_settings.to_meta(),
         "tau": config.tau,
-        "dataset": {"path": str(ds.path), "name": ds.name, "fingerprint": ds.meta.get("fingerprint")},
+        "dataset": {
+            "path": str(ds.path), "name": ds.name, "fingerprint": ds.meta.get("fingerprint"), "gamma": ds.gamma
+        },
         "config": asdict(config),
     }
     encoder_layers = tuner.layer_state() if tuner is not None else None
