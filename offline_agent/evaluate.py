@@ -251,11 +251,20 @@ class OffPolicyReport:
 #: Below this coverage the report warns that FQE extrapolates (`learn/confidence.py`).
 LOW_COVERAGE = 0.5
 #: Below this many held-out episodes the report warns that FQE's value is not one to act on, whatever the
-#: coverage: from test splits of 14-16 episodes (150 logs) it missed the simulated value by 0.05-0.19, once
-#: with a coverage of 0.75 (PipelineRepair 0.599 against 0.676); from 55-90 episodes by at most 0.115, and by
-#: at most 0.021 where the coverage was high (benchmarks/results/fqe_coverage.md). 50 is a line between the
+#: coverage: from test splits of 14-16 episodes (150 logs) it missed the simulated value by 0.03-0.62, once
+#: with a coverage of 0.81 (PipelineRepair 0.591 against 0.736); from 55-90 episodes by at most 0.19, and by
+#: at most 0.042 where the coverage was high (benchmarks/results/fqe_coverage.md). 50 is a line between the
 #: two, not a measured optimum.
 FEW_EPISODES = 50
+
+
+def digits_below(value: float, line: float) -> str:
+    """`value` with as many decimals as it takes (2 at least) to read below `line`: 0.497 against 0.5 is
+    "0.497", where "0.50 < 0.5" would read as a contradiction."""
+    digits = 2
+    while round(value, digits) >= line and digits < 6:
+        digits += 1
+    return f"{value:.{digits}f}"
 
 
 def fqe_doubt_reasons(coverage: float, episodes: int) -> list[tuple[str, str]]:
@@ -263,7 +272,7 @@ def fqe_doubt_reasons(coverage: float, episodes: int) -> list[tuple[str, str]]:
     applies. `fqe_doubts` words them for a user; a table can show the facts alone."""
     reasons = []
     if coverage < LOW_COVERAGE:
-        fact = f"coverage {coverage:.2f} < {LOW_COVERAGE}"
+        fact = f"coverage {digits_below(coverage, LOW_COVERAGE)} < {LOW_COVERAGE}"
         reasons.append((fact, "FQE extrapolates to actions the logs rarely show there"))
     if episodes < FEW_EPISODES:
         fact = f"only {episodes} held-out episodes (< {FEW_EPISODES})"

@@ -246,5 +246,7 @@ def test_the_fqe_summary_warns_on_low_coverage_and_on_a_small_test_split():
     few = summary(0.75, 16)  # PipelineRepair from 150 logs: well covered, and 0.19 off the simulated value
     assert few.endswith("Do not act on this value: only 16 held-out episodes (< 50): too few to act on, "
                         "whatever the interval")
+    assert "coverage 0.497 < 0.5:" in summary(0.497, 73)  # never "0.50 < 0.5"
+    assert "coverage 0.4999 < 0.5:" in summary(0.49993, 73) and "coverage 0.49 < 0.5:" in summary(0.494, 73)
     both = summary(0.34, 16)
     assert "coverage 0.34 < 0.5" in both and "; only 16 held-out episodes" in both
