@@ -41,20 +41,15 @@ def local_ray(tmp_path_factory):
     pytest's tmp paths can exceed) that is removed afterwards; token auth is off so nothing is written to ~/.ray.
     Workers see the repository and tests/ on their path, for the test modules they import (user envs).
     """
-    ray = pytest.importorskip("ray", reason="Ray tests need the extra: pip install 'offline-agent[ray]'")
+    pytest.importorskip("ray", reason="Ray tests need the extra: pip install 'offline-agent[ray]'")
     import shutil
-    import tempfile
 
     from offline_agent.ray_backend import WORKER_ENV
+    from tests.helpers import ray_folder, start_test_ray
 
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    folder = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    folder = ray_folder()
     path = os.pathsep.join([str(REPO), str(REPO / "tests")])
-    ray.init(
-        num_cpus=2, include_dashboard=False, _temp_dir=folder, object_store_memory=200 << 20,
-        runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": path}}, configure_logging=False,
-    )
+    ray = start_test_ray(folder, runtime_env={"env_vars": {**WORKER_ENV, "PYTHONPATH": path}})
     yield ray
     ray.shutdown()
     shutil.rmtree(folder, ignore_errors=True)

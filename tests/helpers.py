@@ -1,9 +1,12 @@
-"""Small builders of log records for tests (real formats, written by hand)."""
+"""Small builders for tests: log records (real formats, written by hand), and a real local Ray."""
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 
 def call(call_id: str, name: str, arguments: dict) -> dict:
@@ -42,3 +45,22 @@ def write_jsonl(path: Path, records: list) -> Path:
         for r in records:
             f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
     return path
+
+
+def ray_folder() -> str:
+    """A new folder for a Ray session's files: short, under /tmp (Ray's socket paths must stay under 108
+    characters, which pytest's tmp paths can exceed). The caller removes it."""
+    return tempfile.mkdtemp(prefix="ray", dir="/tmp")
+
+
+def start_test_ray(folder: str, **options: Any) -> Any:
+    """The `ray` module, with a real local Ray of 2 CPUs and a 200 MB object store started, its session files
+    in `folder`; token auth and usage stats off, so that nothing is written to ~/.ray or sent anywhere.
+    `options` go to `ray.init` (`address="local"` for a Ray of its own beside another, a `runtime_env`)."""
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=folder, object_store_memory=200 << 20,
+             configure_logging=False, **options)
+    return ray

@@ -1,6 +1,6 @@
-"""`python tests/ray_kill_driver.py LOGS OUT RAY_TEMP`: ingest LOGS into OUT on a Ray of this process's own while
-the first worker seen running a `process_chunk` task is SIGKILLed; prints one JSON line (the killed worker,
-the steps written, whether the counts reconcile).
+"""`python -m tests.ray_kill_driver LOGS OUT RAY_FOLDER`, from the repository: ingest LOGS into OUT on a Ray
+of this process's own while the first worker seen running a `process_chunk` task is SIGKILLed; prints one JSON
+line (the killed worker, the steps written, whether the counts reconcile).
 
 test_ingest_ray runs it as a separate process, not on the test session's Ray: killing a worker is chaos, and
 were Ray's own processes not to survive it, a Ray driver exits on the spot (exit status 1, no traceback). Here
@@ -39,18 +39,14 @@ def kill_first_chunk_task(raylet: int, stop: threading.Event, killed: list[str])
         time.sleep(0.002)
 
 
-def main(logs: str, out: str, ray_temp: str) -> None:
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
-    import ray
-
+def main(logs: str, out: str, ray_folder: str) -> None:
     from offline_agent.ingest import ingest, parallel
     from offline_agent.ray_backend import WORKER_ENV
+    from tests.helpers import start_test_ray
 
     parallel.CHUNK_BYTES = 1 << 20  # ranges of ~4,000 steps, each a few tenths of a second of a worker's time
     # "local": a Ray of its own, even where another one (the test session's) runs on this machine.
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=ray_temp,
-             object_store_memory=200 << 20, runtime_env={"env_vars": WORKER_ENV}, configure_logging=False)
+    ray = start_test_ray(ray_folder, address="local", runtime_env={"env_vars": WORKER_ENV})
     try:
         raylet = ray.get(ray.remote(_parent_pid).remote())  # Ray's workers are its raylet's children
         stop, killed = threading.Event(), []

@@ -7,7 +7,6 @@ import json
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -19,7 +18,7 @@ from offline_agent.errors import UserError
 from offline_agent.ingest import ingest
 from offline_agent.ingest import parallel as parallel_module
 from offline_agent.ingest.parallel import plan_chunks
-from tests.helpers import chat_lines_with_faults, chat_record, write_jsonl
+from tests.helpers import chat_lines_with_faults, chat_record, ray_folder, write_jsonl
 from tests.test_ingest_parallel import _tables
 
 TIMESTAMPS = ("created_at", "updated_at", "ingested_at")
@@ -129,11 +128,11 @@ def test_a_worker_killed_mid_task_is_retried_and_the_dataset_is_unchanged(tmp_pa
     assert len(plan_chunks(src)) >= 12
     ingest([src], tmp_path / "local", engine="python")
 
-    ray_temp = Path(tempfile.mkdtemp(prefix="ray", dir="/tmp"))  # a short path: Ray's sockets live under it
+    ray_temp = Path(ray_folder())
     try:
         driver = subprocess.run(
-            [sys.executable, str(Path(__file__).with_name("ray_kill_driver.py")), str(src), str(tmp_path / "ray"),
-             str(ray_temp)], capture_output=True, text=True, timeout=600,
+            [sys.executable, "-m", "tests.ray_kill_driver", str(src), str(tmp_path / "ray"), str(ray_temp)],
+            cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
         )
         assert driver.returncode == 0, (
             f"the Ray driver exited with status {driver.returncode}\n{driver.stderr[-4000:]}\n"
