@@ -228,7 +228,7 @@ def variant(args: argparse.Namespace) -> str:
     tag += f"-it{args.iterations}" if args.iterations != ITERATIONS else ""
     tag += f"-gain{args.kl_gain:g}" if args.kl_gain != PPOConfig.kl_gain else ""
     tag += f"-tr{args.trust_region:g}" if args.trust_region != PPOConfig.trust_region else ""
-    tag += "-bf16" if args.encoder_precision == "bf16" else ""
+    tag += f"-{args.encoder_precision}" if args.encoder_precision != "fp32" else ""
     tag += "-safety" if args.safety else ""
     return tag + (f"-seed{args.seed}" if args.seed else "")
 
@@ -459,8 +459,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kl-gain", type=float, default=PPOConfig.kl_gain, help="the KL controller's gain")
     parser.add_argument("--trust-region", type=float, default=PPOConfig.trust_region,
                         help="x the target KL past which a minibatch steps back toward the offline policy (0 = off)")
-    parser.add_argument("--encoder-precision", choices=["fp32", "bf16"], default="fp32",
-                        help="the encoder's precision in rollouts and evaluations (bf16: ~2x as fast with AMX)")
+    parser.add_argument("--encoder-precision", choices=["fp32", "bf16", "int8"], default="fp32",
+                        help="the encoder's precision in rollouts and evaluations (bf16: ~2x as fast with AMX; "
+                        "int8: ONNX Runtime, the onnx extra)")
     parser.add_argument("--policy-init", default="residual", choices=["residual", "copy"])
     parser.add_argument("--learning-rate", type=float, default=None,
                         help=f"fine-tuning learning rate [default: {RESIDUAL_LEARNING_RATE} for the residual policy, "

@@ -42,6 +42,13 @@ def test_a_longer_run_is_a_variant_of_its_own():
     assert variant(parse_args(["--iterations", "24"])) == ""
 
 
+def test_each_encoder_precision_is_a_variant_of_its_own():
+    # The recipe's bf16 runs keep their folder names; int8 gets its own; fp32, the benchmark's default, none.
+    tags = {p: variant(parse_args([*LOGS800, "--encoder-precision", p])) for p in ("fp32", "bf16", "int8")}
+    assert tags == {"fp32": "-logs800-tau0.3-shaping1-sil1", "bf16": "-logs800-tau0.3-shaping1-sil1-bf16",
+                    "int8": "-logs800-tau0.3-shaping1-sil1-int8"}
+
+
 def test_keeping_the_best_validated_policy_is_a_variant_of_its_own():
     args = parse_args([*LOGS800, "--validation-episodes", "64", "--seed", "1"])
     assert variant(args) == "-logs800-tau0.3-shaping1-sil1-val64-seed1" and args.validation_episodes == 64
