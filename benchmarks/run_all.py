@@ -87,6 +87,10 @@ BENCHMARKS = [
     ("online_tau03", "online_seeds.py",
      ["--name", "online_tau03", "--title", "Online fine-tuning with the default recipe at tau 0.3 instead of 0.2",
       "--seeds", "0", "1", "2", "--", *with_option(RECIPE_ARGS, "--tau", "0.3"), "--episodes", "200"]),
+    # The recipe with the rollouts' encoder in int8 (the onnx extra), the faster encoder, before it can be the default.
+    ("online_recipe_int8", "online_seeds.py",
+     ["--name", "online_recipe_int8", "--title", "Online fine-tuning with the default recipe, the encoder in int8",
+      "--seeds", "0", "1", "2", "--", *with_option(RECIPE_ARGS, "--encoder-precision", "int8"), "--episodes", "200"]),
     # Plain PPO + KL from the bundled 100 logs, with PPO from scratch beside it and the rollout throughput.
     ("online", "online.py", []),
     ("rollout_speed", "rollout_speed.py", []),
