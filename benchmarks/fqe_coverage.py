@@ -94,7 +94,7 @@ def run_row(sim: str, logs: int, args: argparse.Namespace) -> dict:
 
 
 def table_row(row: dict) -> list[object]:
-    from offline_agent.evaluate import fqe_doubt_reasons
+    from offline_agent.evaluate import LOW_COVERAGE, digits_below, fqe_doubt_reasons
 
     low, high = row["fqe_ci95"]
     t_low, t_high = row["true_ci95"]
@@ -105,7 +105,7 @@ def table_row(row: dict) -> list[object]:
         row["sim"], row["logs"], row["test_episodes"], f"{row['fqe']:.3f} [{low:.3f}, {high:.3f}]",
         f"{row['true']:.3f} [{t_low:.3f}, {t_high:.3f}]", "yes" if covers(low, high, row["true"]) else "**no**",
         f"[{b_low:.3f}, {b_high:.3f}]", "yes" if covers(b_low, b_high, row["true"]) else "**no**",
-        f"{row['coverage']:.2f}", trusted, f"{row['behaviour']:.3f}",
+        digits_below(row["coverage"], LOW_COVERAGE), trusted, f"{row['behaviour']:.3f}",
     ]
 
 

@@ -710,14 +710,14 @@ def evaluate_command(
 def _fqe_summary(f: dict) -> str:
     import math
 
-    from offline_agent.evaluate import fqe_doubts
+    from offline_agent.evaluate import LOW_COVERAGE, digits_below, fqe_doubts
 
     low, high = f["fqe_ci95"]
     line = (
         f"FQE on {f['episodes']} held-out episodes of {f['dataset']} ({f['split']} split): value "
         f"{f['fqe_value']:.3f} (95% CI {low:.3f}-{high:.3f}, {f['fqe_runs']} refits) vs {f['behaviour_value']:.3f} "
-        f"for the logged behaviour (gamma {f['gamma']}); coverage {f['coverage']:.2f} of the policy's choices "
-        f"logged in one of the {f['coverage_k']} most similar states"
+        f"for the logged behaviour (gamma {f['gamma']}); coverage {digits_below(f['coverage'], LOW_COVERAGE)} of the "
+        f"policy's choices logged in one of the {f['coverage_k']} most similar states"
     )
     bounds = f.get("fqe_bounds") or [math.nan, math.nan]
     if all(math.isfinite(b) for b in bounds):

@@ -259,10 +259,11 @@ FEW_EPISODES = 50
 
 
 def digits_below(value: float, line: float) -> str:
-    """`value` with as many decimals as it takes (2 at least) to read below `line`: 0.497 against 0.5 is
-    "0.497", where "0.50 < 0.5" would read as a contradiction."""
+    """`value` with as many decimals as it takes (2 at least) to read below `line` when it is below: 0.497
+    against 0.5 is "0.497", where "0.50 < 0.5" would read as a contradiction; a value at or above the line
+    keeps 2."""
     digits = 2
-    while round(value, digits) >= line and digits < 6:
+    while value < line and round(value, digits) >= line and digits < 6:
         digits += 1
     return f"{value:.{digits}f}"
 

@@ -239,14 +239,23 @@ def test_the_fqe_summary_warns_on_low_coverage_and_on_a_small_test_split():
                              "fqe_ci95": [0.4, 0.6], "fqe_runs": 3, "behaviour_value": 0.3, "gamma": 0.99,
                              "coverage": coverage, "coverage_k": 10})
 
-    assert "Do not act" not in summary(0.85, 73)
+    assert "Do not act" not in summary(0.85, 73) and "coverage 0.85 of the policy's choices" in summary(0.85, 73)
     low = summary(0.45, 73)
     assert low.endswith("Do not act on this value: coverage 0.45 < 0.5: FQE extrapolates to actions the logs "
                         "rarely show there")
     few = summary(0.81, 16)  # PipelineRepair from 150 logs: well covered, and 0.15 off the simulated value
     assert few.endswith("Do not act on this value: only 16 held-out episodes (< 50): too few to act on, "
                         "whatever the interval")
-    assert "coverage 0.497 < 0.5:" in summary(0.497, 73)  # never "0.50 < 0.5"
+    # Never "0.50 < 0.5", nor "coverage 0.50 of the policy's choices" in the sentence before it.
+    assert "coverage 0.497 of the policy's choices" in summary(0.497, 73)
+    assert "coverage 0.497 < 0.5:" in summary(0.497, 73)
     assert "coverage 0.4999 < 0.5:" in summary(0.49993, 73) and "coverage 0.49 < 0.5:" in summary(0.494, 73)
     both = summary(0.34, 16)
     assert "coverage 0.34 < 0.5" in both and "; only 16 held-out episodes" in both
+
+
+def test_a_figure_below_a_line_gets_the_digits_that_show_it_and_one_above_keeps_two():
+    from offline_agent.evaluate import digits_below
+
+    assert [digits_below(v, 0.5) for v in (0.45, 0.497, 0.49993, 0.5, 0.81)] == ["0.45", "0.497", "0.4999", "0.50",
+                                                                                  "0.81"]
