@@ -5,10 +5,11 @@
 `offline_agent.online.play.rollout_policy`, the rollouts fine-tuning's validation
 plays too: episode i resets the environment with `simulate.episode_seed(seed, i)`,
 the same seeds `offline-agent simulate` uses, so a policy and the logs' behaviour
-policy are compared on identical tasks. The encoder runs in bfloat16 where the
-device computes in it natively (`encoder_precision="auto"`, the default; `TextEncoder`),
-about twice as fast as fp32 on CPUs with bf16 instructions, for a policy trained on
-fp32 vectors too; "fp32", "bf16" or "int8" (ONNX Runtime, `offline_agent.text.int8`) forces one.
+policy are compared on identical tasks. The encoder runs in the fastest precision
+the device runs well (`encoder_precision="auto"`, the default; `resolve_precision`):
+int8 with ONNX Runtime (`offline_agent.text.int8`) on CPUs with int8 instructions,
+else bfloat16 where the device computes in it natively, for a policy trained on fp32
+vectors too; "fp32", "bf16" or "int8" forces one.
 
 `summarize` turns the episodes into the report: success rate with its 95%
 Wilson interval, mean return (and discounted return, what FQE estimates), mean
@@ -159,8 +160,8 @@ def evaluate(
     (`behaviour:noisy:0.5`, `behaviour:expert`, ...). `safety` is the filter the rollouts run behind (specs
     as in `offline_agent.envs.safety`): None applies the rules saved with the run (a fine-tuned run's
     `--safety`; an offline run or a behaviour policy has none), a spec or list of specs replaces them, and
-    `()` evaluates without any. `encoder_precision` is the rollouts' encoder's: "fp32", "bf16", "int8", or "auto" (bf16
-    where the device computes in it natively, else fp32).
+    `()` evaluates without any. `encoder_precision` is the rollouts' encoder's: "fp32", "bf16", "int8", or "auto" (int8
+    on a CPU with int8 instructions, else bf16 where the device computes in it natively, else fp32).
     `backend="ray"` runs the environments in `ray_actors` Ray actors (see `offline_agent.ray_backend` for
     `ray_address`); the policy plays here, and the episodes are the same as with the local backend.
     """

@@ -23,8 +23,6 @@ from offline_agent.text import int8
 from offline_agent.text.encoder import TextEncoder, resolve_precision
 from offline_agent.text.states import StateSettings, dataset_texts, turn_blocks
 
-pytest.importorskip("onnxruntime", reason="the int8 encoder needs the onnx extra: pip install 'offline-agent[onnx]'")
-
 PIPELINE = "offline_agent/PipelineRepair-v0"
 runner = CliRunner()
 
@@ -104,15 +102,41 @@ def test_evaluate_plays_an_fp32_policy_with_an_int8_encoder(one_torch_thread):
     assert json.loads(result.output)["episodes"] == 2
 
 
-def test_an_encoder_whose_int8_vectors_stray_is_refused(monkeypatch):
+def test_an_encoder_whose_int8_vectors_stray_is_refused(monkeypatch, encoders):
     monkeypatch.setattr(int8, "MIN_COSINE", 1.0001)  # no vector passes: what a model that quantises badly meets
     with pytest.raises(UserError, match=r"int8 vectors stray from its fp32 ones \(cosine 0\.99\d+ < 1\.0001"):
-        TextEncoder(precision="int8").encode(["text"])
+        TextEncoder(precision="int8").encode(["text"])  # built already (`encoders`): checked again
+    monkeypatch.setattr(int8, "_BUILT", type(int8._BUILT)())
+    with pytest.raises(UserError, match=r"int8 vectors stray from its fp32 ones \(cosine 0\.99\d+ < 1\.0001"):
+        TextEncoder(precision="int8").encode(["text"])  # and when built anew
+
+
+def test_a_process_builds_a_models_int8_model_once(monkeypatch, encoders):
+    _, quantised = encoders
+    builds = []
+    real = int8.Int8Encoder
+
+    def counted(*args):
+        builds.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(int8, "Int8Encoder", counted)
+    again = TextEncoder(per_turn=False, precision="int8")  # another load of the same model: no build
+    text = "[obs] stage build failed: exit code 2"
+    np.testing.assert_array_equal(again.encode([text]), quantised.encode([text]))
+    assert builds == [] and again._int8_encoder() is quantised._int8_encoder()
+    shorter = TextEncoder(per_turn=False, precision="int8", max_length=128)  # other vectors of long texts: a build
+    shorter.encode([text])
+    assert builds == [1] and shorter._int8_encoder() is not quantised._int8_encoder()
+    tuned = TextEncoder(per_turn=False, precision="int8", max_length=64)  # a third model: the oldest goes
+    tuned.encode([text])
+    assert builds == [1, 1] and len(int8._BUILT) == int8.KEEP_BUILT
+    assert (quantised.path, quantised.model_id) not in int8._BUILT
 
 
 def test_int8_without_onnxruntime_or_off_the_cpu_says_what_to_do(monkeypatch):
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # an import of it fails, as where it is not installed
-    with pytest.raises(UserError, match=r"pip install 'offline-agent\[onnx\]'"):
+    with pytest.raises(UserError, match=r"\(onnxruntime\): `pip install onnxruntime onnx`"):
         resolve_precision("int8")
     monkeypatch.undo()
     with pytest.raises(UserError, match="int8 runs on the CPU, not on --device cuda"):

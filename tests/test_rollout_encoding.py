@@ -9,6 +9,7 @@ fine-tuning saves its memo with each checkpoint, so that a resumed run meets the
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import learn_data
@@ -26,7 +27,7 @@ from offline_agent.online.finetune import STATE_FILE, finetune
 from offline_agent.online.play import rollout_policy
 from offline_agent.online.ppo import PPOTrainer
 from offline_agent.text.cache import EmbeddingCache, EmbeddingMemo, text_hash
-from offline_agent.text.encoder import TextEncoder, native_bf16, resolve_precision
+from offline_agent.text.encoder import TextEncoder, native_bf16, native_int8, resolve_precision
 from offline_agent.text.states import StateSettings, dataset_texts
 
 PIPELINE = "offline_agent/PipelineRepair-v0"
@@ -216,23 +217,35 @@ def test_bf16_vectors_have_an_id_and_cache_of_their_own_and_stand_in_for_fp32_on
         TextEncoder(precision="fp16")
 
 
-def test_auto_precision_is_bf16_exactly_where_the_cpu_has_bf16_instructions(monkeypatch):
-    # Rollouts default to "auto": bf16 where it is native (about 2x as fast), fp32 where torch would emulate it.
+def test_auto_precision_is_int8_then_bf16_exactly_where_the_cpu_has_their_instructions(monkeypatch):
+    # Rollouts default to "auto": int8 where the CPU has int8 dot-product instructions (the fastest), else bf16
+    # where it is native (about 2x fp32), and fp32 where torch would emulate either.
     assert resolve_precision("fp32") == "fp32" and resolve_precision("bf16") == "bf16"
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    assert not native_bf16("cpu") and resolve_precision("auto") == "fp32"
+    assert not native_int8("cpu") and not native_bf16("cpu") and resolve_precision("auto") == "fp32"
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert native_bf16("cpu") and resolve_precision("auto") == "bf16"
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    assert native_int8("cpu") and resolve_precision("auto") == "int8"
+    assert resolve_precision("auto", "meta") == "fp32"  # not a CPU: no int8, and no bf16 either
+    # Without ONNX Runtime installed, "auto" runs what torch runs instead of failing.
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)
+    assert not native_int8("cpu") and resolve_precision("auto") == "bf16"
     with pytest.raises(UserError, match="--encoder-precision 'half' is not one of fp32, bf16, int8, auto"):
         resolve_precision("half")
 
 
 def test_auto_precision_encoders_say_which_precision_they_run(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     encoder = TextEncoder(precision="auto")
     assert encoder.precision == "fp32" and encoder.id == learn_data.encoder().id  # the cache folder is fp32's
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    encoder = TextEncoder(precision="auto")
+    assert encoder.precision == "int8" and encoder.id == learn_data.encoder().id.replace("-perturn", "-int8-perturn")
 
 
 def test_evaluate_plays_an_fp32_policy_with_a_bf16_encoder(pipeline):

@@ -105,9 +105,9 @@ def finetune(
     `safety` is a safety-filter spec (see `offline_agent.envs.safety`); `resume` continues `out` from its
     last checkpoint (the other arguments must match the interrupted run's, except `config.iterations`).
     `encoder_precision` "bf16" runs the rollouts' encoder in bfloat16 and "int8" in int8 with ONNX Runtime
-    (`TextEncoder`; "auto", the default, is bf16 where the device computes in bf16 natively, else fp32); the
-    fine-tuned policy
-    keeps the offline checkpoint's encoder, and plays with either. `backend="ray"` runs the environments in
+    (`TextEncoder`; "auto", the default, is int8 on a CPU with int8 instructions, else bf16 where the device
+    computes in bf16 natively, else fp32); the fine-tuned policy keeps the offline checkpoint's encoder, and
+    plays with any of them. `backend="ray"` runs the environments in
     `ray_actors` Ray actors (`RayVectorEnv`; `ray_address` as in `offline_agent.ray_backend`) while the policy
     learns here; the run is the same as with the local backend (validation episodes still play here).
     """

@@ -22,9 +22,10 @@ import numpy as np
 from offline_agent.errors import UserError
 from offline_agent.text.states import state_views
 
-#: Number formats the encoder's forward pass can run in (`TextEncoder(precision=...)`); "auto" is bf16 where the
-#: device computes in bf16 natively and fp32 elsewhere (`resolve_precision`); "int8" runs on the CPU with ONNX
-#: Runtime (`offline_agent.text.int8`).
+#: Number formats the encoder's forward pass can run in (`TextEncoder(precision=...)`); "auto" is the fastest
+#: this device runs well (`resolve_precision`): int8 on a CPU with int8 dot-product instructions, else bf16 where
+#: the device computes in bf16 natively, else fp32; "int8" runs on the CPU with ONNX Runtime
+#: (`offline_agent.text.int8`).
 PRECISIONS = ("fp32", "bf16", "int8", "auto")
 Precision = Literal["fp32", "bf16", "int8", "auto"]
 
@@ -49,12 +50,33 @@ def native_bf16(device: str = "cpu") -> bool:
     return any(probe() for probe in probes if probe is not None)
 
 
-def resolve_precision(precision: str, device: str = "cpu") -> str:
-    """The precision an encoder runs in: "auto" is bf16 where `native_bf16(device)`, else fp32; "int8" is checked
-    (a CPU device, ONNX Runtime installed).
+def native_int8(device: str = "cpu") -> bool:
+    """Whether `device` is a CPU with int8 dot-product instructions (AVX512-VNNI or AVX-VNNI), where ONNX
+    Runtime's int8 matrix products outrun bf16 ones, and ONNX Runtime is installed to run them."""
+    import torch
 
-    bf16 is the default of rollouts (fine-tuning, evaluation) because there it is ~2x as fast with vectors
-    within 1e-4 of cosine of fp32's (benchmarks/results/rollout_speed.md); emulated, it would be slower."""
+    if torch.device(device).type != "cpu":
+        return False
+    probe = getattr(torch.cpu, "_is_vnni_supported", None)  # private, so looked up defensively
+    if probe is None or not probe():
+        return False
+    try:
+        import onnx  # noqa: F401
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def resolve_precision(precision: str, device: str = "cpu") -> str:
+    """The precision an encoder runs in: "auto" is int8 where `native_int8(device)`, else bf16 where
+    `native_bf16(device)`, else fp32; "int8" is checked (a CPU device, ONNX Runtime installed).
+
+    "auto" is the default of rollouts (fine-tuning, evaluation), which spend most of their time in the encoder
+    (benchmarks/results/rollout_speed.md). On 2 cores of an AMD EPYC with both kinds of instructions, int8 rolls
+    out 1.2-1.4x as fast as bf16 and bf16 1.2-1.6x as fast as fp32; bf16's vectors are within 1e-4 of cosine of
+    fp32's, int8's within 0.01, and greedy success and the fine-tuning recipe's results stay within their
+    intervals (benchmarks/results/encoder_precision.md, online_recipe.md). Emulated, either would be slower."""
     if precision not in PRECISIONS:
         raise UserError(f"--encoder-precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     if precision == "int8":
@@ -67,6 +89,8 @@ def resolve_precision(precision: str, device: str = "cpu") -> str:
         require_onnxruntime()
     if precision != "auto":
         return precision
+    if native_int8(device):
+        return "int8"
     return "bf16" if native_bf16(device) else "fp32"
 
 
@@ -308,12 +332,14 @@ class TextEncoder:
         return out
 
     def _int8_encoder(self) -> Any:
-        """This encoder's int8 model (`offline_agent.text.int8`), built on first use (~3 s)."""
+        """This encoder's int8 model (`offline_agent.text.int8`), built on first use in this process (~3 s)."""
         if self.model_id not in self._int8:
-            from offline_agent.text.int8 import Int8Encoder
+            from offline_agent.text.int8 import shared_int8
 
             self._int8.clear()
-            self._int8[self.model_id] = Int8Encoder(self.model, self.tokenizer, self.max_length, mean_pool)
+            self._int8[self.model_id] = shared_int8(
+                (self.path, self.model_id), self.model, self.tokenizer, self.max_length, mean_pool
+            )
         return self._int8[self.model_id]
 
     def _autocast(self) -> Any:

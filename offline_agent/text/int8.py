@@ -20,9 +20,11 @@ costs nothing measurable, and the export is traced on one unpadded text (its att
 is what it is then given.
 
 The quantised model is built in memory from the loaded model (~3 s on 2 cores), so tuned top layers are part
-of it, and nothing is written outside a temporary folder.
+of it, and nothing is written outside a temporary folder. A process builds it once per model (`shared_int8`):
+the policies and evaluations of one process (a benchmark, the demo, a test session) share it.
 
-Needs the `onnx` extra: `pip install 'offline-agent[onnx]'` (onnxruntime and onnx).
+Needs ONNX Runtime and onnx, dependencies of offline-agent (an install without them runs "auto" in bf16 or
+fp32, and refuses "int8" with what to install).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import logging
 import re
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -68,8 +71,29 @@ def require_onnxruntime() -> None:
     except ImportError as exc:
         raise UserError(
             f"--encoder-precision int8 runs the encoder with ONNX Runtime, which is not installed ({exc.name}): "
-            "`pip install 'offline-agent[onnx]'`, or use --encoder-precision bf16 or fp32"
+            "`pip install onnxruntime onnx` (dependencies of offline-agent), or use --encoder-precision bf16 or fp32"
         ) from None
+
+
+#: Int8 models built in this process, by key (`shared_int8`); the oldest goes first past KEEP_BUILT, since each
+#: holds a copy of its model's weights (~30 MB for MiniLM).
+_BUILT: OrderedDict[Hashable, Int8Encoder] = OrderedDict()
+KEEP_BUILT = 2
+
+
+def shared_int8(key: Hashable, model: Any, tokenizer: Any, max_length: int, pool: Any) -> Int8Encoder:
+    """The int8 model of `model`, built on the first call with its `key` (the model's folder and id: the same
+    weights, tuned layers and max_length) and shared by later ones, each of which it checks against
+    MIN_COSINE again."""
+    built = _BUILT.get(key)
+    if built is None:
+        built = _BUILT[key] = Int8Encoder(model, tokenizer, max_length, pool)
+    else:
+        built.check()
+        _BUILT.move_to_end(key)
+    while len(_BUILT) > KEEP_BUILT:
+        _BUILT.popitem(last=False)
+    return built
 
 
 def layers_kept_in_fp32(model_proto: Any) -> list[str]:
@@ -131,6 +155,10 @@ class Int8Encoder:
                 probe = tokenizer([text], truncation=True, max_length=max_length, return_tensors="pt")
                 fp32.append(pool(model(**probe).last_hidden_state.float(), probe["attention_mask"])[0].numpy())
         self.probe_cosine = float((np.stack(fp32) * self.encode(PROBE_TEXTS)).sum(1).min())
+        self.check()
+
+    def check(self) -> None:
+        """A UserError if this model's vectors stray from fp32's on PROBE_TEXTS by more than MIN_COSINE allows."""
         if self.probe_cosine < MIN_COSINE:
             raise UserError(
                 f"this encoder's int8 vectors stray from its fp32 ones (cosine {self.probe_cosine:.4f} < "
