@@ -461,7 +461,7 @@ def finetune_command(
         help="auto | fp32 | bf16 | int8: the rollouts' encoder in int8 (ONNX Runtime; cosine >= 0.99 to fp32) "
         "is ~1.3x as fast as in bfloat16 (cosine >= 0.9999), which is ~1.5x fp32, on CPUs with their "
         "instructions; auto is int8 where the CPU has int8 ones (VNNI), else bf16 where the device has "
-        "bf16 ones, else fp32; a --resume needs the same",
+        "bf16 ones, else fp32; a --resume needs the same (auto: what the run started in)",
     ),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     from_scratch: bool = typer.Option(False, "--from-scratch", help="re-initialise the policy (baseline)"),
@@ -698,7 +698,9 @@ def evaluate_command(
         retries = out["mean_retries_to_recover"]
         recovery = "n/a" if retries is None else f"{retries:.2f} ({out['recoveries']} recoveries"
         typer.echo(
-            f"{out['policy']} on {out['env']}, {out['episodes']} episodes: success rate {out['success_rate']:.3f} "
+            f"{out['policy']} on {out['env']}, {out['episodes']} episodes"
+            + ("" if out["encoder_precision"] is None else f" (encoder in {out['encoder_precision']})")
+            + f": success rate {out['success_rate']:.3f} "
             f"(95% CI {low:.3f}-{high:.3f}), mean return {out['mean_return']:.3f}, mean steps {out['mean_steps']:.1f}, "
             f"error steps {out['error_rate']:.1%}, retries to recover {recovery}"
             + ("" if retries is None else f", {out['unrecovered']} unrecovered)")

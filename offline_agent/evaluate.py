@@ -73,6 +73,8 @@ class EvalReport:
     safety_truncated: int = 0  # episodes ended because every candidate was forbidden
     # With --backend ray: actors, and actors replaced with the environments and steps replayed (RayVectorEnv)
     ray: dict[str, int] | None = None
+    # The number format the policy's encoder ran in ("auto" resolved on this machine); None for a behaviour policy
+    encoder_precision: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -182,9 +184,10 @@ def evaluate(
         name = f"{policy.algo} ({run_s})"
         if safety is None:
             rules = _saved_safety(policy, run_s)
+    precision = None if isinstance(policy, str) else getattr(policy.encoder, "precision", "fp32")
     if backend == "local" or isinstance(policy, str):  # a behaviour policy plays one env in this process
         outcomes = rollout_policy(env, policy, episodes, seed, gamma, n_envs, rules.specs)
-        return summarize(outcomes, name, env, gamma, rules.specs)
+        return replace(summarize(outcomes, name, env, gamma, rules.specs), encoder_precision=precision)
     from offline_agent.online.ray_envs import RayVectorEnv
 
     with ray_session(ray_address):
@@ -193,7 +196,7 @@ def evaluate(
             outcomes = rollout_policy(env, policy, episodes, seed, gamma, safety=rules.specs, envs=envs)
         finally:
             envs.close()
-    return replace(summarize(outcomes, name, env, gamma, rules.specs), ray=envs.stats())
+    return replace(summarize(outcomes, name, env, gamma, rules.specs), ray=envs.stats(), encoder_precision=precision)
 
 
 def reported_gamma(meta: dict[str, Any]) -> float:

@@ -99,7 +99,13 @@ def test_evaluate_plays_an_fp32_policy_with_an_int8_encoder(one_torch_thread):
     result = runner.invoke(app, ["evaluate", str(run), "--env", PIPELINE, "-n", "2", "--encoder-precision", "int8",
                                  "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["episodes"] == 2
+    report = json.loads(result.output)
+    assert report["episodes"] == 2 and report["encoder_precision"] == "int8"
+    # The summary says which precision ran: "auto" resolves per machine, and the figures depend a little on it.
+    result = runner.invoke(app, ["evaluate", str(run), "--env", PIPELINE, "-n", "2", "--encoder-precision", "int8"])
+    assert result.exit_code == 0 and ", 2 episodes (encoder in int8): success rate" in result.output, result.output
+    result = runner.invoke(app, ["evaluate", "behaviour:expert", "--env", PIPELINE, "-n", "2", "--json"])
+    assert result.exit_code == 0 and json.loads(result.output)["encoder_precision"] is None, result.output
 
 
 def test_an_encoder_whose_int8_vectors_stray_is_refused(monkeypatch, encoders):

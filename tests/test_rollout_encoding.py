@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import learn_data
@@ -275,3 +276,17 @@ def test_a_resumed_run_meets_the_very_vectors_of_an_uninterrupted_one(pipeline, 
     assert whole.keys() == resumed.keys() and whole["memo/rollout/vectors"].shape[0] > 8
     for key in whole:
         assert torch.equal(whole[key], resumed[key]), key
+
+
+def test_a_resume_with_the_default_precision_goes_on_in_the_interrupted_runs(pipeline, tmp_path):
+    # A run started in bf16 (auto's choice before int8 became the default on CPUs with int8 instructions) and
+    # resumed with "auto" goes on in bf16 instead of refusing its own vectors; a precision named differs and fails.
+    config = PPOConfig(iterations=1, num_envs=2, num_steps=4, vector="sync", beta=0.01, checkpoint_every=1,
+                       num_minibatches=2, update_epochs=1)
+    out = tmp_path / "run"
+    finetune(pipeline["run"], PIPELINE, out, config, encoder_precision="bf16")
+    result = finetune(pipeline["run"], PIPELINE, out, replace(config, iterations=2), resume=True)
+    summary = json.loads((out / "finetune.json").read_text())
+    assert result.iterations == 2 and summary["encoder_precision"] == "bf16"
+    with pytest.raises(UserError, match=r"fine-tuned on embeddings of encoder \S+-bf16-perturn, .* \S+-int8-perturn"):
+        finetune(pipeline["run"], PIPELINE, out, replace(config, iterations=3), resume=True, encoder_precision="int8")

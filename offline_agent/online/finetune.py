@@ -134,6 +134,10 @@ def finetune(
     if not resume and not overwrite and (state_path.exists() or (out / CONFIG_FILE).exists()):
         raise UserError(f"{out} already holds a run: pass --resume to continue it, --overwrite, or another --out")
 
+    if resume and encoder_precision == "auto":
+        # "auto" goes on in what the interrupted run ran in, though the default has changed since (bf16, then
+        # int8 on CPUs with int8 instructions) or the run moved to another machine: its memo holds those vectors.
+        encoder_precision = _interrupted_precision(state_path)
     reference = Policy.load(source, encoder=encoder, device=config.device, precision=encoder_precision)
     if reference.meta.get("network", {}).get("kind") is None:
         raise UserError(f"{source} has no network description in policy.json: retrain it with this offline-agent")
@@ -299,6 +303,17 @@ def read_state_metadata(path: Path) -> dict[str, Any]:
 
     with safe_open(str(path), framework="pt") as handle:
         return json.loads((handle.metadata() or {})["state"])
+
+
+def _interrupted_precision(path: Path) -> str:
+    """The encoder precision of the run whose resume state is `path`, read off its encoder id (`TextEncoder.id`:
+    "-bf16" or "-int8" after the model's id, nothing in fp32); "auto" if the file cannot be read (`load_state`
+    then says so)."""
+    try:
+        encoder_id = str(read_state_metadata(path)["encoder_id"])
+    except Exception:
+        return "auto"
+    return next((p for p in ("bf16", "int8") if f"-{p}-" in f"{encoder_id}-"), "fp32")
 
 
 def load_state(
