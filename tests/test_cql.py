@@ -465,6 +465,27 @@ def test_fqe_values_a_good_policy_above_the_logged_behaviour():
     assert result.value > result.behaviour_value and 0.6 < result.value < 1.1, result
 
 
+def test_a_greedy_policys_next_value_is_scored_at_its_choice_alone(monkeypatch):
+    from offline_agent.learn import fqe
+
+    ids, mask = torch.tensor([[4, 7, -1], [2, 5, 9]]), torch.tensor([[True, True, False], [True, True, True]])
+    pi = T([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    cut = fqe.only_chosen(ids, mask, pi)
+    assert cut[0].tolist() == [[7], [9]] and cut[1].all() and cut[2].tolist() == [[1.0], [1.0]]
+    q = T([[2.0, 4.0, float("-inf")], [6.0, 8.0, 3.0]])
+    y = fqe_target(T([1.0, 0.0]), T([0.0, 0.0]), 0.5, q, pi)
+    assert torch.equal(y, fqe_target(T([1.0, 0.0]), T([0.0, 0.0]), 0.5, q.gather(1, T([[1], [2]]).long()), cut[2]))
+    # A whole fit: the same value as when the target network scores every candidate (the sums' last bits aside).
+    f = learn_data.color_lock_features()
+    torch.manual_seed(0)
+    net = QNetwork(f.dim, 16, n_heads=1)
+    config = FQEConfig(steps=100, batch_size=32, hidden=32, learning_rate=1e-3, split="test", log_every=100)
+    fast = fitted_q_evaluation(f, net, config)
+    monkeypatch.setattr(fqe, "only_chosen", lambda *d: d)
+    every = fitted_q_evaluation(f, net, config)
+    assert torch.allclose(fast.episode_values, every.episode_values, atol=1e-5), (fast.value, every.value)
+
+
 def test_fqe_bounds_bracket_the_estimate_and_put_the_bound_where_the_first_choice_is_unlogged():
     from offline_agent.learn.fqe import policy_distribution, unlogged_choices
 

@@ -130,6 +130,15 @@ def fqe_target(
     return reward + gamma * (1.0 - done) * v_next
 
 
+def only_chosen(
+    ids: torch.Tensor, mask: torch.Tensor, pi: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A greedy policy's distribution cut to its choice: the slot of `pi` (n, C) with the most mass, as ids,
+    mask and probabilities of shape (n, 1); `fqe_target` gives the same value on either."""
+    slot = pi.argmax(1, keepdim=True)  # (n, 1)
+    return ids.gather(1, slot), mask.gather(1, slot), pi.gather(1, slot)
+
+
 @torch.no_grad()
 def candidate_q(
     network: torch.nn.Module, features: Features, rows: torch.Tensor, chunk: int = 1024
@@ -195,6 +204,10 @@ def fitted_q_evaluation(
     done = (features.terminated[rows] | (nxt < 0)).float()
     nxt = nxt.clamp(min=0)
     next_ids, next_mask, next_pi = policy_distribution(network, features, nxt, config.tau, config.greedy)
+    if config.greedy:
+        # A greedy policy's next value is Q at its one choice: the target network scores that pair alone
+        # instead of every candidate (its pass over all of them took half of FQE's time).
+        next_ids, next_mask, next_pi = only_chosen(next_ids, next_mask, next_pi)
     first_ids, first_mask, first_pi = policy_distribution(network, features, firsts, config.tau, config.greedy)
     next_unlogged = first_unlogged = None
     bound = 0.0
