@@ -117,6 +117,36 @@ def test_an_encoder_whose_int8_vectors_stray_is_refused(monkeypatch, encoders):
         TextEncoder(precision="int8").encode(["text"])  # and when built anew
 
 
+def test_auto_falls_back_to_what_torch_runs_where_a_model_cannot_take_int8(monkeypatch, encoders):
+    import torch
+
+    monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    fp32, quantised = encoders
+    assert TextEncoder(per_turn=False, precision="auto").id == quantised.id  # MiniLM takes int8
+    monkeypatch.setattr(int8, "MIN_COSINE", 1.0001)  # vectors that stray, from the model built already
+    with pytest.warns(UserWarning, match=r"auto: encoder \S+ does not run in int8 \(this encoder's int8 vectors "
+                      r"stray .*\); it runs in bf16"):
+        strays = TextEncoder(per_turn=False, precision="auto")
+    assert strays.precision == "bf16" and strays.id == fp32.id + "-bf16"
+    np.testing.assert_allclose(strays.encode(["a text"]), fp32.encode(["a text"]), atol=1e-2)
+
+    def cannot_trace(*args):
+        raise RuntimeError("Exporting the operator 'aten::fancy' to ONNX opset version 17 is not supported.\nmore")
+
+    monkeypatch.setattr(int8, "_BUILT", type(int8._BUILT)())
+    monkeypatch.setattr(int8, "_quantised_session", cannot_trace)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    with pytest.warns(UserWarning, match=r"int8 \(this encoder cannot be quantised to int8 with ONNX Runtime "
+                      r"\(Exporting the operator 'aten::fancy' .* not supported\.\): .*\); it runs in fp32"):
+        untraceable = TextEncoder(per_turn=False, precision="auto")
+    assert untraceable.precision == "fp32" and untraceable.id == fp32.id
+    # Named, int8 is what was asked for: no fallback, and one line that says what to do.
+    with pytest.raises(UserError, match=r"cannot be quantised to int8 .*aten::fancy.*: use --encoder-precision bf16"):
+        TextEncoder(per_turn=False, precision="int8").encode(["a text"])
+
+
 def test_a_process_builds_a_models_int8_model_once(monkeypatch, encoders):
     _, quantised = encoders
     builds = []

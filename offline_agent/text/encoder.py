@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -176,8 +177,9 @@ class TextEncoder:
     (`offline_agent.learn.policy.encoder_for`).
 
     With `precision="int8"`, the forward pass runs in ONNX Runtime with most linear layers quantised to int8
-    (`offline_agent.text.int8`, built on the first encode; needs the `onnx` extra): vectors within cosine 0.99
-    of fp32's, and the id ends in `-int8`. It stands in for the fp32 vectors at decision time as bf16 does.
+    (`offline_agent.text.int8`, built on the first encode, or at once when "auto" chose it): vectors within
+    cosine 0.99 of fp32's, and the id ends in `-int8`. It stands in for the fp32 vectors at decision time as
+    bf16 does. A model that cannot be quantised fails under "int8" and runs in bf16 or fp32 under "auto".
     """
 
     def __init__(
@@ -204,6 +206,7 @@ class TextEncoder:
             raise UserError(f"--device {device!r} is not a torch device: use cpu, cuda or cuda:N") from None
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise UserError(f"--device {device}: no CUDA device is available here; use --device cpu")
+        self._auto = precision == "auto"  # int8 then falls back to what torch runs if this model cannot take it
         precision = resolve_precision(precision, device)  # "auto" becomes what this device runs; checked here
         folder = _model_folder(path if path is not None else default_encoder_path())
         # transformers draws a "Loading weights" bar for a sub-second load; it would clutter the CLI's output.
@@ -239,6 +242,7 @@ class TextEncoder:
         self.tuned_layers = 0  # top layers replaced by fine-tuned ones (`load_tuned_layers`)
         # The int8 forward pass, built on the first encode and shared with copies (`single_view`) of this encoder.
         self._int8: dict[str, Any] = {}
+        self._settle_auto_int8()
 
     def load_tuned_layers(self, state: dict[str, Any], base_id: str | None = None) -> None:
         """Put fine-tuned top layers (`EncoderTop.layer_state()`, as in a run's encoder.safetensors) into
@@ -268,6 +272,7 @@ class TextEncoder:
         self.model_id = tuned_encoder_id(self.model_id, state)
         self.tuned_layers = n_top
         self._int8.clear()  # built from the layers before
+        self._settle_auto_int8()
 
     def single_view(self) -> TextEncoder:
         """This encoder without the observation view and per-turn vectors (the same model, not a copy of it):
@@ -341,6 +346,24 @@ class TextEncoder:
                 (self.path, self.model_id), self.model, self.tokenizer, self.max_length, mean_pool
             )
         return self._int8[self.model_id]
+
+    def _settle_auto_int8(self) -> None:
+        """With "auto" resolved to int8, build the int8 model now (before the id names any vector) and, if this
+        model cannot take it (an export ONNX cannot trace, or vectors that stray from fp32's), run in what torch
+        runs instead, with a warning: "auto" is the fastest precision that works. A named "int8" fails instead."""
+        if not (self._auto and self.precision == "int8"):
+            return
+        try:
+            self._int8_encoder()
+        except Exception as exc:  # whatever the exporter or the probe raises on a model it cannot quantise
+            fallback = "bf16" if native_bf16(self.device) else "fp32"
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            warnings.warn(
+                f"--encoder-precision auto: encoder {self.model_id} does not run in int8 ({reason}); it runs in "
+                f"{fallback}", stacklevel=3,
+            )
+            self.precision = fallback
+            self._int8.clear()
 
     def _autocast(self) -> Any:
         import torch

@@ -148,7 +148,14 @@ class Int8Encoder:
         self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (workers, pool), made for torch's threads
         example = tokenizer([PROBE_TEXTS[0]], return_tensors="pt")
         self.names = [name for name in tokenizer.model_input_names if name in example]
-        self.session = _quantised_session(model, [example[n] for n in self.names], self.names)
+        try:
+            self.session = _quantised_session(model, [example[n] for n in self.names], self.names)
+        except Exception as exc:  # the exporter's and the quantiser's errors, on a model they cannot handle
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise UserError(
+                f"this encoder cannot be quantised to int8 with ONNX Runtime ({first}): use --encoder-precision "
+                "bf16 or fp32"
+            ) from exc
         with torch.inference_mode():
             fp32 = []
             for text in PROBE_TEXTS:
