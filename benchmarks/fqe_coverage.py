@@ -158,7 +158,8 @@ def main() -> None:
         )
         + f"\n\nThe interval covers the simulated value in {covered} of {len(rows)} settings, the bounds in "
         f"{bounded}."
-        + ("" if args.tables_only else f" Wall time {(time.perf_counter() - started) / 60:.1f} min.")
+        + ("" if args.tables_only else f" Wall time {(time.perf_counter() - started) / 60:.1f} min"
+           + (", the simulated values of unchanged policies reused." if args.reuse_simulated else "."))
     )
     write_result("fqe_coverage", "Off-policy evaluation: does the FQE interval cover the true value?", table,
                  reproduce_command("fqe_coverage.py", leave_out=("--tables-only", "--reuse", "--reuse-simulated")))
