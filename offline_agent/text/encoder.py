@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from offline_agent.errors import UserError
+from offline_agent.errors import UserError, first_line
 from offline_agent.text.states import state_views
 
 #: Number formats the encoder's forward pass can run in (`TextEncoder(precision=...)`); "auto" is the fastest
@@ -217,8 +217,7 @@ class TextEncoder:
             self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, use_fast=True)
             model = AutoModel.from_pretrained(folder, local_files_only=True, dtype=torch.float32)
         except (OSError, ValueError) as exc:
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise UserError(f"cannot load a transformers encoder from {folder}: {first_line}") from None
+            raise UserError(f"cannot load a transformers encoder from {folder}: {first_line(exc)}") from None
         finally:
             if bar_was_on:
                 hf_logging.enable_progress_bar()
@@ -357,10 +356,9 @@ class TextEncoder:
             self._int8_encoder()
         except Exception as exc:  # whatever the exporter or the probe raises on a model it cannot quantise
             fallback = "bf16" if native_bf16(self.device) else "fp32"
-            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             warnings.warn(
-                f"--encoder-precision auto: encoder {self.model_id} does not run in int8 ({reason}); it runs in "
-                f"{fallback}", stacklevel=3,
+                f"--encoder-precision auto: encoder {self.model_id} does not run in int8 ({first_line(exc)}); it "
+                f"runs in {fallback}", stacklevel=3,
             )
             self.precision = fallback
             self._int8.clear()

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from offline_agent.errors import UserError
+from offline_agent.errors import UserError, first_line
 
 #: The smallest cosine of an int8 vector to the fp32 one on PROBE_TEXTS that `Int8Encoder` accepts.
 MIN_COSINE = 0.99
@@ -151,10 +151,9 @@ class Int8Encoder:
         try:
             self.session = _quantised_session(model, [example[n] for n in self.names], self.names)
         except Exception as exc:  # the exporter's and the quantiser's errors, on a model they cannot handle
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise UserError(
-                f"this encoder cannot be quantised to int8 with ONNX Runtime ({first}): use --encoder-precision "
-                "bf16 or fp32"
+                f"this encoder cannot be quantised to int8 with ONNX Runtime ({first_line(exc)}): use "
+                "--encoder-precision bf16 or fp32"
             ) from exc
         with torch.inference_mode():
             fp32 = []
