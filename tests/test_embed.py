@@ -93,6 +93,10 @@ def test_bad_encoder_path_is_a_user_error(tmp_path):
         TextEncoder(str(tmp_path))
     with pytest.raises(UserError, match="'gpu' is not a torch device"):
         TextEncoder(device="gpu")
+    (tmp_path / "config.json").write_text('{"model_type": "bert"}')  # a config, but no tokenizer or weights
+    with pytest.raises(UserError, match=r"cannot load a transformers encoder from \S+: \S") as caught:
+        TextEncoder(str(tmp_path))
+    assert "\n" not in str(caught.value)  # the library's multi-line message, cut to its first line
 
 
 # --- render_state ----------------------------------------------------------------------------------
