@@ -29,6 +29,11 @@ PER_TURN_HELP = (
     "their mean, so a new step encodes one block; --whole-text embeds the whole text in one pass (3-4x slower"
 )
 RAY_ADDRESS_HELP = "with --backend ray: 'auto' joins this machine's cluster, HOST:PORT another [default: a local Ray]"
+PRECISION_HELP = (
+    "auto | fp32 | bf16 | int8: the rollouts' encoder in int8 (ONNX Runtime; cosine >= 0.99 to fp32) is ~1.3x as "
+    "fast as in bfloat16 (cosine >= 0.9999), which is ~1.5x fp32, on CPUs with their instructions{fqe}; auto is "
+    "int8 where the CPU has int8 ones (VNNI), else bf16 where the device has bf16 ones, else fp32"
+)
 RAY_ACTORS_HELP = "with --backend ray: actors the environments are spread over [default: one per cluster CPU]"
 
 
@@ -458,10 +463,7 @@ def finetune_command(
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: RUN's own]"),
     encoder_precision: str = typer.Option(
         "auto", "--encoder-precision",
-        help="auto | fp32 | bf16 | int8: the rollouts' encoder in int8 (ONNX Runtime; cosine >= 0.99 to fp32) "
-        "is ~1.3x as fast as in bfloat16 (cosine >= 0.9999), which is ~1.5x fp32, on CPUs with their "
-        "instructions; auto is int8 where the CPU has int8 ones (VNNI), else bf16 where the device has "
-        "bf16 ones, else fp32; a --resume needs the same (auto: what the run started in)",
+        help=PRECISION_HELP.format(fqe="") + "; a --resume needs the same (auto: what the run started in)",
     ),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     from_scratch: bool = typer.Option(False, "--from-scratch", help="re-initialise the policy (baseline)"),
@@ -650,10 +652,7 @@ def evaluate_command(
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
     encoder_precision: str = typer.Option(
         "auto", "--encoder-precision",
-        help="auto | fp32 | bf16 | int8: the rollouts' encoder in int8 (ONNX Runtime; cosine >= 0.99 to fp32) "
-        "is ~1.3x as fast as in bfloat16 (cosine >= 0.9999), which is ~1.5x fp32, on CPUs with their "
-        "instructions (FQE stays fp32); auto is int8 where the CPU has int8 ones (VNNI), else bf16 where the "
-        "device has bf16 ones, else fp32",
+        help=PRECISION_HELP.format(fqe=" (FQE stays fp32)"),
     ),
     device: str = typer.Option("cpu", "--device", help="cpu | cuda"),
     json_output: bool = typer.Option(False, "--json", help="print one JSON object"),

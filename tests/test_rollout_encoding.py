@@ -247,6 +247,9 @@ def test_auto_precision_encoders_say_which_precision_they_run(monkeypatch):
     monkeypatch.setattr(torch.cpu, "_is_vnni_supported", lambda: True)
     encoder = TextEncoder(precision="auto")
     assert encoder.precision == "int8" and encoder.id == learn_data.encoder().id.replace("-perturn", "-int8-perturn")
+    # and an id says which precision made its vectors (what a resumed run reads off its saved id)
+    assert [TextEncoder.precision_of(e.id) for e in (learn_data.encoder(), encoder)] == ["fp32", "int8"]
+    assert TextEncoder.precision_of(encoder.single_id.replace("-int8", "-bf16")) == "bf16"
 
 
 def test_evaluate_plays_an_fp32_policy_with_a_bf16_encoder(pipeline):

@@ -306,14 +306,15 @@ def read_state_metadata(path: Path) -> dict[str, Any]:
 
 
 def _interrupted_precision(path: Path) -> str:
-    """The encoder precision of the run whose resume state is `path`, read off its encoder id (`TextEncoder.id`:
-    "-bf16" or "-int8" after the model's id, nothing in fp32); "auto" if the file cannot be read (`load_state`
-    then says so)."""
+    """The encoder precision of the run whose resume state is `path`, read off its encoder id
+    (`TextEncoder.precision_of`); "auto" if the file cannot be read (`load_state` then says so)."""
+    from offline_agent.text.encoder import TextEncoder
+
     try:
         encoder_id = str(read_state_metadata(path)["encoder_id"])
     except Exception:
         return "auto"
-    return next((p for p in ("bf16", "int8") if f"-{p}-" in f"{encoder_id}-"), "fp32")
+    return TextEncoder.precision_of(encoder_id)
 
 
 def load_state(

@@ -61,10 +61,11 @@ def native_int8(device: str = "cpu") -> bool:
     probe = getattr(torch.cpu, "_is_vnni_supported", None)  # private, so looked up defensively
     if probe is None or not probe():
         return False
+    from offline_agent.text.int8 import require_onnxruntime
+
     try:
-        import onnx  # noqa: F401
-        import onnxruntime  # noqa: F401
-    except ImportError:
+        require_onnxruntime()
+    except UserError:
         return False
     return True
 
@@ -281,6 +282,12 @@ class TextEncoder:
         plain = copy.copy(self)
         plain.observation_view = plain.per_turn = False
         return plain
+
+    @staticmethod
+    def precision_of(encoder_id: str) -> str:
+        """The precision an encoder id's vectors were made in: `single_id` puts "-bf16" or "-int8" after the
+        model's id, nothing in fp32."""
+        return next((p for p in ("bf16", "int8") if f"-{p}-" in f"{encoder_id}-"), "fp32")
 
     @property
     def single_id(self) -> str:
