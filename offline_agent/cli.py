@@ -649,6 +649,12 @@ def evaluate_command(
         help="also fit FQE assuming the logs' lowest and then highest return wherever they do not show the "
         "policy's choice near a state: the range its value lies in whatever it does there (3x the FQE time)",
     ),
+    fqe_grounding: bool = typer.Option(
+        False, "--fqe-grounding/--no-fqe-grounding",
+        help="FQE's Q also reads each (state, action) pair's grounding in the episode, as the policies do (it can then "
+        "tell a call whose values come from the conversation from a made-up one; on the simulators its interval "
+        "covered fewer settings: docs/evaluation.md)",
+    ),
     encoder: str | None = typer.Option(None, "--encoder", help="encoder folder [default: the run's own]"),
     encoder_precision: str = typer.Option(
         "auto", "--encoder-precision",
@@ -686,7 +692,7 @@ def evaluate_command(
     if dataset is not None:
         fqe = off_policy_value(
             run, dataset, steps=fqe_steps, seed=seed, device=device, encoder=encoder, runs=fqe_runs,
-            bounds=fqe_bounds,
+            bounds=fqe_bounds, grounding=fqe_grounding,
         )
         out["fqe"] = fqe.to_dict()
     if json_output:

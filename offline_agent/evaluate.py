@@ -242,6 +242,7 @@ class OffPolicyReport:
     value_auc: float = math.nan
     value_auc_ci95: tuple[float, float] = (math.nan, math.nan)
     value_auc_per_step: float = math.nan
+    fqe_grounding: bool = False  # FQE's Q read each (state, action) pair's grounding (learn/grounding.py)
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -255,10 +256,10 @@ class OffPolicyReport:
 #: Below this coverage the report warns that FQE extrapolates (`learn/confidence.py`).
 LOW_COVERAGE = 0.5
 #: Below this many held-out episodes the report warns that FQE's value is not one to act on, whatever the
-#: coverage: from test splits of 14-16 episodes (150 logs) it missed the simulated value by 0.03-0.62, once
-#: with a coverage of 0.81 (PipelineRepair 0.591 against 0.736); from 55-90 episodes by at most 0.19, and by
-#: at most 0.042 where the coverage was high (benchmarks/results/fqe_coverage.md). 50 is a line between the
-#: two, not a measured optimum.
+#: coverage: from test splits of 14-16 episodes (150 logs) it missed the simulated value by 0.08-0.40 (an
+#: earlier run's PipelineRepair policy by 0.15 at a coverage of 0.81: 0.591 against 0.736); from 55-90 episodes
+#: by at most 0.19, and by at most 0.046 where the coverage was high (benchmarks/results/fqe_coverage.md,
+#: 2026-12-07). 50 is a line between the two, not a measured optimum.
 FEW_EPISODES = 50
 
 
@@ -301,13 +302,16 @@ def off_policy_value(
     runs: int = 3,
     coverage_k: int = 10,
     bounds: bool = True,
+    grounding: bool = False,
 ) -> OffPolicyReport:
     """FQE estimate of a run's (greedy) policy on the held-out split of `dataset`: the fit on the split (seed
     `seed`), with a 95% interval over the split's first states and `runs` refits on bootstrap resamples of its
     episodes (seeds `seed`, `seed + 1`, ...; `fqe_interval`), and the coverage of the policy's choices by the
     logs of the other splits (`learn/confidence.py`). With `bounds`, `runs` fits each (at least one), on every
     logged transition, assume the logs' lowest and highest return where they do not show the policy's choice,
-    and bracket its value at the split's first states whatever it does there (`fqe_bounds`)."""
+    and bracket its value at the split's first states whatever it does there (`fqe_bounds`). With `grounding`
+    every fit's Q reads each (state, action) pair's grounding, as the policies do (not the default: on the
+    simulators it covered fewer settings, `benchmarks/results/fqe_coverage.md`)."""
     import torch
 
     from offline_agent.learn.confidence import action_coverage, bootstrap_interval, fqe_interval
@@ -327,7 +331,7 @@ def off_policy_value(
         # settings, benchmarks/results/fqe_coverage_testsplit_bounds.md). The estimate keeps to the held-out split.
         config = FQEConfig(
             steps=steps, gamma=gamma, seed=fit_seed, device=device, split=split, tau=policy.tau, resample=resample,
-            unlogged=unlogged, fit_on="split" if unlogged == "extrapolate" else "all",
+            unlogged=unlogged, fit_on="split" if unlogged == "extrapolate" else "all", grounding=grounding,
         )
         result = fitted_q_evaluation(features, policy.network, config)
         if not math.isfinite(result.value):
@@ -374,6 +378,7 @@ def off_policy_value(
         value_auc=value_auc.first_step,
         value_auc_ci95=value_auc.ci95,
         value_auc_per_step=value_auc.per_step,
+        fqe_grounding=grounding,
     )
 
 

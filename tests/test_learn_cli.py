@@ -190,7 +190,13 @@ def test_evaluate_prints_a_summary_and_estimates_fqe_on_held_out_logs(dataset, t
     policy = Policy.load(run)
     features = build_features(dataset, policy.encoder, policy.state_settings)
     fit = fitted_q_evaluation(features, policy.network, FQEConfig(steps=20, seed=0, tau=policy.tau))
-    assert fqe["fqe_value"] == fit.value
+    assert fqe["fqe_value"] == fit.value and fqe["fqe_grounding"] is False
+    # --fqe-grounding: the same fit with a Q that reads each pair's grounding.
+    grounded = json.loads(runner.invoke(app, ["evaluate", str(run), "--dataset", str(dataset), "--fqe-steps", "20",
+                                              "--fqe-runs", "0", "--no-fqe-bounds", "--fqe-grounding",
+                                              "--json"]).stdout)["fqe"]
+    fit = fitted_q_evaluation(features, policy.network, FQEConfig(steps=20, seed=0, tau=policy.tau, grounding=True))
+    assert grounded["fqe_grounding"] is True and grounded["fqe_value"] == fit.value != fqe["fqe_value"]
     bound_low, bound_high = fqe["fqe_bounds"]
     assert bound_low <= fqe["fqe_value"] <= bound_high
     low, high = fqe["value_auc_ci95"]
