@@ -325,8 +325,8 @@ def test_grounded_fqe_tells_a_policy_that_types_the_code_from_one_that_guesses(c
     for fqe_grounding in (False, True):
         config = FQEConfig(steps=600, batch_size=64, hidden=64, learning_rate=1e-3, target_update_rate=0.02,
                            split="test", log_every=600, grounding=fqe_grounding)
-        values[fqe_grounding] = {typer: fitted_q_evaluation(f, net, config).value
-                                 for typer, net in code_lock_policies.items()}
+        values[fqe_grounding] = {policy_grounded: fitted_q_evaluation(f, net, config).value
+                                 for policy_grounded, net in code_lock_policies.items()}
     grounded = values[True]
     assert grounded[True] >= 0.9 and grounded[False] <= 0.65, values  # simulated: 0.98 and 0.23
     gap = {fqe_grounding: v[True] - v[False] for fqe_grounding, v in values.items()}
