@@ -316,7 +316,7 @@ def off_policy_value(
 
     from offline_agent.learn.confidence import action_coverage, bootstrap_interval, fqe_interval
     from offline_agent.learn.features import SPLITS, build_features
-    from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation, policy_distribution
+    from offline_agent.learn.fqe import FQEConfig, fitted_q_evaluation, policy_choices
     from offline_agent.learn.policy import Policy, load_value_network
 
     if runs < 0:
@@ -324,6 +324,8 @@ def off_policy_value(
     policy = Policy.load(run, encoder=encoder, device=device)
     features = build_features(dataset, policy.encoder, policy.state_settings)
     gamma = features.gamma  # values on the logs are reported at the discount of their returns
+    # The greedy policy's choice at every logged step, scored once for all the fits below.
+    choices = policy_choices(policy.network, features, torch.arange(features.n_steps), policy.tau, greedy=True)
 
     def fit(fit_seed: int, resample: bool, unlogged: str = "extrapolate") -> Any:
         # The bounds fit every logged transition: the more of the logs they see, the fewer of the policy's
@@ -333,7 +335,7 @@ def off_policy_value(
             steps=steps, gamma=gamma, seed=fit_seed, device=device, split=split, tau=policy.tau, resample=resample,
             unlogged=unlogged, fit_on="split" if unlogged == "extrapolate" else "all", grounding=grounding,
         )
-        result = fitted_q_evaluation(features, policy.network, config)
+        result = fitted_q_evaluation(features, policy.network, config, choices=choices)
         if not math.isfinite(result.value):
             raise UserError("FQE diverged (non-finite value): try fewer --fqe-steps or a smaller learning rate")
         return result
@@ -352,8 +354,7 @@ def off_policy_value(
         fqe_bounds = (bootstrap_interval(episode_values(low), seed=seed)[0],
                       bootstrap_interval(episode_values(high), seed=seed)[1])
     rows = features.rows(split)
-    ids, _, probs = policy_distribution(policy.network, features, rows, policy.tau, greedy=True)
-    chosen = ids.gather(1, probs.argmax(1, keepdim=True))[:, 0]  # (n,) the greedy policy's action ids
+    chosen = choices[0][rows, 0]  # (n,) the greedy policy's action ids
     logged = torch.nonzero(features.split != SPLITS.index(split)).flatten()  # the other splits' steps
     coverage = math.nan
     if logged.numel():

@@ -486,6 +486,30 @@ def test_a_greedy_policys_next_value_is_scored_at_its_choice_alone(monkeypatch):
     assert torch.allclose(fast.episode_values, every.episode_values, atol=1e-5), (fast.value, every.value)
 
 
+def test_fqe_scores_a_factorised_policy_by_id_and_reads_choices_scored_once():
+    from offline_agent.learn import fqe
+    from offline_agent.learn.features import step_candidates
+
+    f = learn_data.color_lock_features()
+    torch.manual_seed(0)
+    net = FactorisedQNetwork(f.dim, 16, n_heads=2, rank=8, pair_hidden=8)
+    rows = torch.arange(f.n_steps)
+    ids, mask = step_candidates(f, rows)
+    # the action tower once over the vocabulary gives what it gives slot by slot
+    per_slot = net.q_values(f.state_emb[rows], f.action_emb[ids.clamp(min=0)], mask).detach()
+    by_id = fqe.q_over(net, f, rows, ids, mask)
+    assert torch.equal(by_id.isinf(), ~mask) and torch.allclose(by_id[mask], per_slot[mask], atol=1e-6)
+    # refits that read the policy's choices, scored once at every step, get what scoring their own steps gives
+    config = FQEConfig(steps=100, batch_size=32, hidden=32, learning_rate=1e-3, split="test", log_every=100,
+                       resample=True)
+    choices = fqe.policy_choices(net, f, rows, config.tau, config.greedy)
+    assert choices[0].shape == (f.n_steps, 1)
+    once = fitted_q_evaluation(f, net, config, choices=choices)
+    assert torch.equal(once.episode_values, fitted_q_evaluation(f, net, config).episode_values)
+    with pytest.raises(ValueError, match="choices hold 3 rows"):
+        fitted_q_evaluation(f, net, config, choices=tuple(t[:3] for t in choices))
+
+
 def test_fqe_bounds_bracket_the_estimate_and_put_the_bound_where_the_first_choice_is_unlogged():
     from offline_agent.learn.fqe import policy_distribution, unlogged_choices
 

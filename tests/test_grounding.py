@@ -16,14 +16,17 @@ from offline_agent.learn.grounding import (
     GROUNDING_FEATURES,
     PAIR_DIM,
     GroundingTable,
+    StringFinder,
+    features_in,
     grounding,
     grounding_batch,
     occurs,
+    situation,
     split_state,
 )
 from offline_agent.learn.networks import QHead, QNetwork, ResidualQNetwork, build_network
 from offline_agent.learn.policy import Policy, save_checkpoint
-from offline_agent.text.states import StateSettings, render_state
+from offline_agent.text.states import StateSettings, dataset_texts, render_state
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -159,6 +162,70 @@ def test_the_table_gives_each_logged_pair_its_grounding_with_the_episode_so_far(
     assert pair[0, 0, GROUNDING_FEATURES.index("values_in_observation")] == 0.0  # row 2 is "at c"
     assert pair[1, 0, GROUNDING_FEATURES.index("values_in_observation")] == 1.0  # row 3 is "at a"
     assert not pair[:, 2].any()
+
+
+def test_the_string_finder_finds_exactly_the_strings_that_occur():
+    strings = ["o-3330", "3330", "ana@example.com", "-5", "$", "4 x water", "water", "e", "17", "7", "x1", "été",
+               "(none)", "a.b", "b"]
+    texts = ["order o-3330: 4 x water to harbor", "refund -5 or $20 to ana@example.com.", "x17 7 x1y été",
+             "(none) a.b", "", "ab-5 $$ 4 x waters"]
+    finder = StringFinder(strings)
+    for text in texts:
+        assert finder.found_in(text) == [i for i, s in enumerate(strings) if occurs(s, text)], text
+    assert [strings[i] for i in finder.found_in(texts[0])] == ["o-3330", "3330", "4 x water", "water"]
+
+
+def table_inputs(dataset):
+    """What `build_features` hands the table (state texts, vocabulary, action ids, episode index), without
+    encoding anything."""
+    from offline_agent.dataset import TrajectoryDataset
+
+    ds = TrajectoryDataset.open(dataset)
+    texts = dataset_texts(ds)
+    steps = ds.steps_table(columns=["episode_id", "action"]).to_pydict()
+    vocab = sorted(set(steps["action"]) | set(texts.candidates))
+    index = {a: i for i, a in enumerate(vocab)}
+    episodes = {e: i for i, e in enumerate(dict.fromkeys(steps["episode_id"]))}
+    return (texts.states, vocab, torch.tensor([index[a] for a in steps["action"]]),
+            torch.tensor([episodes[e] for e in steps["episode_id"]]))
+
+
+def assert_table_is_features_in(table, texts, vocab, rows):
+    """The table's grounding of `rows` against the whole vocabulary equals `features_in` pair by pair."""
+    got = table.lookup(rows, torch.arange(len(vocab))[None].expand(len(rows), -1))  # (n, V, P)
+    for i, row in enumerate(rows.tolist()):
+        where = situation(texts[row], table.taken_before(row))
+        expected = torch.from_numpy(np.stack([features_in(where, a) for a in vocab]))
+        assert torch.equal(got[i], expected), (row, (got[i] != expected).nonzero()[:3].tolist())
+    return got
+
+
+def test_the_table_equals_the_features_of_every_pair_in_simulated_logs(tmp_path):
+    from offline_agent.ingest import ingest
+    from offline_agent.simulate import simulate
+
+    nonzero = torch.zeros(PAIR_DIM, dtype=torch.bool)
+    for env in ("Logistics-v0", "CustomerSupport-v0", "PipelineRepair-v0"):
+        simulate(f"offline_agent/{env}", 6, "noisy:0.5", 0, tmp_path / f"{env}.jsonl")
+        ingest([tmp_path / f"{env}.jsonl"], tmp_path / env)
+        texts, vocab, action_id, episode_index = table_inputs(tmp_path / env)
+        table = GroundingTable(texts, vocab, action_id, episode_index)
+        got = assert_table_is_features_in(table, texts, vocab, torch.arange(len(texts)))
+        nonzero |= got.flatten(0, 1).bool().any(0)
+    assert nonzero.all(), [f for f, seen in zip(GROUNDING_FEATURES, nonzero, strict=True) if not seen]
+    # slots past a step's candidates (-1) read zeros
+    assert not table.lookup(torch.tensor([0, 1]), torch.tensor([[-1, 0], [-1, -1]]))[:, 0].any()
+
+
+def test_the_table_equals_the_features_on_real_logs(real_data, tmp_path):
+    from offline_agent.ingest import ingest
+
+    ingest([real_data / "tau_bench_airline" / "gpt-4o-airline.json"], tmp_path / "tau")
+    texts, vocab, action_id, episode_index = table_inputs(tmp_path / "tau")
+    table = GroundingTable(texts, vocab, action_id, episode_index)
+    rows = torch.randperm(len(texts), generator=torch.Generator().manual_seed(0))[:60]
+    got = assert_table_is_features_in(table, texts, vocab, rows)
+    assert got[..., GROUNDING_FEATURES.index("values_in_context")].any()
 
 
 def test_a_grounded_batch_carries_each_slots_grounding():

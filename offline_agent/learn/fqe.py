@@ -56,7 +56,7 @@ from offline_agent.errors import UserError
 from offline_agent.learn.cql import OnStep, check_common, policy_probs, polyak_update
 from offline_agent.learn.features import SPLITS, Features, step_candidates
 from offline_agent.learn.grounding import PAIR_DIM
-from offline_agent.learn.networks import QNetwork
+from offline_agent.learn.networks import FactorisedQNetwork, QNetwork, masked
 
 METRICS = ("loss/fqe", "fqe/value")
 #: What a fit assumes where the logs do not show the policy's choice: its own Q, or a bound.
@@ -153,6 +153,16 @@ def only_chosen(
     return ids.gather(1, slot), mask.gather(1, slot), pi.gather(1, slot)
 
 
+def policy_choices(
+    network: torch.nn.Module, features: Features, rows: torch.Tensor, tau: float, greedy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The evaluated policy at the steps `rows` as FQE reads it: `policy_distribution`, and for a greedy
+    policy only its choice (`only_chosen`): the target network then scores that pair alone instead of every
+    candidate (its pass over all of them took half of FQE's time)."""
+    ids, mask, pi = policy_distribution(network, features, rows, tau, greedy)
+    return only_chosen(ids, mask, pi) if greedy else (ids, mask, pi)
+
+
 @torch.no_grad()
 def candidate_q(
     network: torch.nn.Module, features: Features, rows: torch.Tensor, chunk: int = 1024
@@ -171,15 +181,25 @@ def q_over(
     """(n, C) Q of `network` at the steps `rows` (n,) over the candidate ids (n, C) where `mask`, else -inf."""
     device = next(network.parameters()).device
     q = torch.empty(ids.shape, dtype=torch.float32)
+    # A factorised head's action tower runs once over the vocabulary, not once per slot: on logs without
+    # candidates every step's slots are the whole vocabulary.
+    table_vectors = None
+    if isinstance(network, FactorisedQNetwork):
+        table_vectors = network.action_vectors(features.action_emb.to(device))  # (K, V, R + G)
     for start in range(0, rows.shape[0], chunk):
         sl = slice(start, start + chunk)
         state = features.state_emb[rows[sl]].to(device)
-        cand = features.action_emb[ids[sl].clamp(min=0)].to(device)  # (b, C) -> (b, C, D)
         pair = None
         if getattr(network, "pair_dim", 0):
             table = features.grounding_table()
-            pair = table.lookup(rows[sl], torch.where(mask[sl], ids[sl], -1), remember=False).to(device)
-        q[sl] = network.q_values(state, cand, mask[sl].to(device), pair).cpu()  # (b, C)
+            pair = table.lookup(rows[sl], torch.where(mask[sl], ids[sl], -1)).to(device)
+        if table_vectors is not None:
+            heads = network.all_heads_by_id(state, features.action_emb, ids[sl].clamp(min=0).to(device), pair,
+                                            table_vectors)  # (K, b, C)
+            q[sl] = masked(heads.min(0).values, mask[sl].to(device)).cpu()
+        else:
+            cand = features.action_emb[ids[sl].clamp(min=0)].to(device)  # (b, C) -> (b, C, D)
+            q[sl] = network.q_values(state, cand, mask[sl].to(device), pair).cpu()  # (b, C)
     return q
 
 
@@ -200,9 +220,18 @@ def policy_distribution(
 
 @deterministic_torch()  # a seed alone is not reproducible on several CPU threads
 def fitted_q_evaluation(
-    features: Features, network: torch.nn.Module, config: FQEConfig, on_step: OnStep | None = None
+    features: Features,
+    network: torch.nn.Module,
+    config: FQEConfig,
+    on_step: OnStep | None = None,
+    choices: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> FQEResult:
-    """Estimate the value of the policy of `network` (any `q_values` module) on `config.split`."""
+    """Estimate the value of the policy of `network` (any `q_values` module) on `config.split`.
+
+    `choices`: `policy_choices` at every row of `features`, for a caller that fits several times (refits,
+    bounds) with one policy and config.tau / config.greedy: each fit then reads them instead of scoring its
+    states again, which on logs without candidates (the whole vocabulary at every step) took a third of
+    `evaluate --dataset`."""
     torch.manual_seed(config.seed)
     generator = torch.Generator().manual_seed(config.seed)
     firsts = features.first_rows(config.split)
@@ -214,17 +243,20 @@ def fitted_q_evaluation(
     fit_rows = features.rows(config.split if config.fit_on == "split" else None)
     rows = resample_episodes(features.episode_index, fit_rows, generator) if config.resample else fit_rows
     # The policy is fixed: its distribution at every next state and every first state is computed once.
+    if choices is not None and choices[0].shape[0] != features.n_steps:
+        raise ValueError(f"choices hold {choices[0].shape[0]} rows, the features {features.n_steps}")
+
+    def policy_at(at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if choices is not None:
+            ids, mask, pi = choices
+            return ids[at], mask[at], pi[at]
+        return policy_choices(network, features, at, config.tau, config.greedy)
+
     nxt = features.next_index[rows]
     done = (features.terminated[rows] | (nxt < 0)).float()
     nxt = nxt.clamp(min=0)
-    next_ids, next_mask, next_pi = policy_distribution(network, features, nxt, config.tau, config.greedy)
-    if config.greedy:
-        # A greedy policy's next value is Q at its one choice: the target network scores that pair alone
-        # instead of every candidate (its pass over all of them took half of FQE's time).
-        next_ids, next_mask, next_pi = only_chosen(next_ids, next_mask, next_pi)
-    first_ids, first_mask, first_pi = policy_distribution(network, features, firsts, config.tau, config.greedy)
-    if config.greedy:
-        first_ids, first_mask, first_pi = only_chosen(first_ids, first_mask, first_pi)
+    next_ids, next_mask, next_pi = policy_at(nxt)
+    first_ids, first_mask, first_pi = policy_at(firsts)
     next_unlogged = first_unlogged = None
     bound = 0.0
     if config.unlogged != "extrapolate":
@@ -239,8 +271,8 @@ def fitted_q_evaluation(
     fit_pair = next_pair = first_pair = None
     if table is not None:
         fit_pair = table.lookup(rows, features.action_id[rows][:, None])  # (n, 1, P)
-        next_pair = table.lookup(nxt, torch.where(next_mask, next_ids, -1), remember=False)  # (n, C, P)
-        first_pair = table.lookup(firsts, torch.where(first_mask, first_ids, -1), remember=False)  # (E, C, P)
+        next_pair = table.lookup(nxt, torch.where(next_mask, next_ids, -1))  # (n, C, P)
+        first_pair = table.lookup(firsts, torch.where(first_mask, first_ids, -1))  # (E, C, P)
     q_net = QNetwork(features.dim, config.hidden, n_heads=1, pair_dim=PAIR_DIM if table else 0).to(config.device)
     target_net = copy.deepcopy(q_net).requires_grad_(False)
     optimizer = torch.optim.Adam(q_net.parameters(), lr=config.learning_rate)

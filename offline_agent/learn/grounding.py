@@ -274,17 +274,84 @@ def grounding_batch(
     return torch.from_numpy(out)
 
 
-class GroundingTable:
-    """Grounding of (logged step, vocabulary action) pairs, each computed once, on first use.
+_WORD_RUN = re.compile(r"\w+")
 
-    A step's episode actions so far are the logged actions of the rows before it in its episode (rows
-    are sorted by episode and step). Training asks for the same pairs every epoch (a step's logged
-    candidates) and for random ones (the sampled candidates of logs without any), so pairs are computed
-    lazily and remembered, not all N x V of them up front. The memory is bounded: past `max_pairs` it
-    starts afresh (about 150 bytes a pair).
+
+class StringFinder:
+    """Which of a fixed list of (lowercase) strings occur in a text, by `occurs`, without trying every one.
+
+    Where a string occurs, its first run of word characters is a whole run of the text's: the character
+    before that run is not a word character (inside the string, or by `occurs`' rule at its start), nor is
+    the one after it (inside the string, or at its end). So only the strings whose first run is one of the
+    text's runs are tried, and strings without a word character always are.
     """
 
-    max_pairs = 2_000_000
+    def __init__(self, strings: Sequence[str]):
+        self.strings = list(strings)
+        self._by_run: dict[str, list[int]] = {}
+        self._always: list[int] = []
+        for i, string in enumerate(self.strings):
+            run = _WORD_RUN.search(string)
+            if run is None:
+                self._always.append(i)
+            else:
+                self._by_run.setdefault(run.group(), []).append(i)
+
+    def found_in(self, text: str) -> list[int]:
+        """Indices of the strings that occur in `text`, ascending."""
+        tried = set(self._always)
+        for run in set(_WORD_RUN.findall(text)):
+            tried.update(self._by_run.get(run, ()))
+        return sorted(i for i in tried if occurs(self.strings[i], text))
+
+
+def _sorted_keys(keys: list[int], values: list[Any] | None = None, width: int = 0, dtype=torch.int64):
+    """(keys (K,) int64 sorted, their `values` (K + 1,) or (K + 1, width) in the same order): the last
+    value is zeros, where `_find` points when there are no keys."""
+    order = sorted(range(len(keys)), key=keys.__getitem__)
+    sorted_keys = torch.tensor([keys[i] for i in order], dtype=torch.int64)
+    if values is None:
+        return sorted_keys, None
+    shape = (len(order) + 1, width) if width else (len(order) + 1,)
+    padded = torch.zeros(shape, dtype=dtype)
+    if order:
+        padded[:-1] = torch.tensor([values[i] for i in order], dtype=dtype)
+    return sorted_keys, padded
+
+
+def _find(keys: torch.Tensor, queries: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each query sits in the sorted `keys`: (index, found), both shaped like `queries`."""
+    if keys.numel() == 0:
+        return torch.zeros_like(queries), torch.zeros(queries.shape, dtype=torch.bool)
+    index = torch.searchsorted(keys, queries).clamp(max=keys.numel() - 1)
+    return index, keys[index] == queries
+
+
+_F = {name: i for i, name in enumerate(GROUNDING_FEATURES)}
+
+
+class GroundingTable:
+    """Grounding of every (logged step, vocabulary action) pair, read from tensors built once.
+
+    A learner on logs without candidates scores random vocabulary actions at every step (some 9,000 pairs
+    a batch), and FQE or `advise` the whole vocabulary at every step; `features_in` once per pair, in
+    Python, was 95% of training time on such logs. So the table keeps each feature's facts apart and
+    gathers them per batch:
+
+    - the action's own (`is_call`, `has_values`; its tool, its values);
+    - the step's episode so far: the first row of its episode where each action, and each tool, was
+      logged (`taken_before`, `tool_used_before`), and the action logged just before (`repeats_last`);
+    - which tool names the step's observation names (`name_in_observation`);
+    - for each value that occurs in the step's context or observation (`StringFinder`), whether it does in
+      each and what the task says of it as far as the observation shows (`task_clause_observed`); a value
+      that occurs in neither adds nothing to any of the four value features;
+    - the (step, action) pairs whose values all occur in one clause (`values_in_one_clause`).
+
+    Every value equals `features_in` on the step's `situation` with its episode so far, bit for bit (tests
+    check every pair of simulated logs, and sixty steps of τ-bench's against its whole vocabulary). A step's
+    episode so far is the logged actions of the rows before it in its episode (rows are sorted by episode
+    and step). Built in a second or two per few thousand steps, most of it finding the values in the texts.
+    """
 
     def __init__(
         self,
@@ -295,8 +362,94 @@ class GroundingTable:
     ):
         self.state_texts, self.vocab = state_texts, vocab
         self.action_id, self.episode_index = action_id.tolist(), episode_index.tolist()
-        self._situations: dict[int, Situation] = {}
-        self._pairs: dict[tuple[int, int], np.ndarray] = {}
+        self._build_actions()
+        self._build_episodes()
+        self._build_steps()
+
+    def _build_actions(self) -> None:
+        parts = [call_parts(a) for a in self.vocab]
+        self.values = sorted({v for p in parts for v in p.values})
+        self.names = sorted({str(p.tool_name).lower() for p in parts if p.is_call})
+        self.tools = sorted({p.tool_name for p in parts if p.is_call and p.tool_name})
+        value_id = {v: i for i, v in enumerate(self.values)}
+        name_id = {n: i for i, n in enumerate(self.names)}
+        tool_id = {t: i for i, t in enumerate(self.tools)}
+        self.is_call = torch.tensor([p.is_call for p in parts], dtype=torch.bool)
+        # each action's values, one after the other: action a's are value_ids[value_start[a]:][:n_values[a]]
+        self.value_ids = torch.tensor([value_id[v] for p in parts for v in p.values], dtype=torch.int64)
+        self.n_values = torch.tensor([len(p.values) for p in parts], dtype=torch.int64)
+        self.value_start = self.n_values.cumsum(0) - self.n_values
+        self.name_of = torch.tensor(
+            [name_id[str(p.tool_name).lower()] if p.is_call else -1 for p in parts], dtype=torch.int64
+        )
+        self.tool_of = torch.tensor(
+            [tool_id[p.tool_name] if p.is_call and p.tool_name else -1 for p in parts], dtype=torch.int64
+        )
+        self._parts = parts
+        # the actions of two or more values, by value: where all of an action's values occur in a context,
+        # it may have them in one clause
+        self._multi_by_value: dict[int, list[int]] = {}
+        for a, p in enumerate(parts):
+            if len(p.values) > 1:
+                for v in p.values:
+                    self._multi_by_value.setdefault(value_id[v], []).append(a)
+
+    def _build_episodes(self) -> None:
+        n, n_actions = len(self.action_id), len(self.vocab)
+        # An episode is a run of rows with one episode index, as `taken_before` walks it.
+        run = [0] * n
+        for row in range(1, n):
+            run[row] = run[row - 1] + (self.episode_index[row] != self.episode_index[row - 1])
+        self.run = torch.tensor(run, dtype=torch.int64)
+        first_taken: dict[int, int] = {}
+        first_tool: dict[int, int] = {}
+        n_tools = max(len(self.tools), 1)
+        prev = [-1] * n
+        for row, action in enumerate(self.action_id):
+            first_taken.setdefault(run[row] * n_actions + action, row)
+            tool = int(self.tool_of[action])
+            if tool >= 0:
+                first_tool.setdefault(run[row] * n_tools + tool, row)
+            if row > 0 and run[row] == run[row - 1]:
+                prev[row] = self.action_id[row - 1]
+        self.prev_action = torch.tensor(prev, dtype=torch.int64)
+        self.taken_keys, self.taken_first = _sorted_keys(list(first_taken), list(first_taken.values()))
+        self.tool_keys, self.tool_first = _sorted_keys(list(first_tool), list(first_tool.values()))
+
+    def _build_steps(self) -> None:
+        value_finder, name_finder = StringFinder(self.values), StringFinder(self.names)
+        n_values, n_names, n_actions = max(len(self.values), 1), max(len(self.names), 1), len(self.vocab)
+        value_keys: list[int] = []
+        value_facts: list[tuple[float, float, float]] = []  # (in context, in observation, task clause observed)
+        name_keys: list[int] = []
+        clause_keys: list[int] = []
+        for row, text in enumerate(self.state_texts):
+            where = situation(text, ())  # the episode so far is `_build_episodes`' part
+            in_context = value_finder.found_in(where.context)
+            in_observation = set(value_finder.found_in(where.observation))
+            for v in sorted(set(in_context) | in_observation):
+                value_keys.append(row * n_values + v)
+                task = task_clause_observed(self.values[v], where) if v in in_context else 0.0
+                value_facts.append((float(v in in_context), float(v in in_observation), task))
+            name_keys.extend(row * n_names + i for i in name_finder.found_in(where.observation))
+            clause_keys.extend(row * n_actions + a for a in self._in_one_clause(where, in_context))
+        self.value_keys, self.value_facts = _sorted_keys(value_keys, value_facts, 3, torch.float64)
+        self.name_keys, _ = _sorted_keys(name_keys)
+        self.clause_keys, _ = _sorted_keys(clause_keys)
+
+    def _in_one_clause(self, where: Situation, in_context: list[int]) -> list[int]:
+        """The actions of two or more values, all in one clause of `where`'s context (`values_in_one_clause`)."""
+        hits: dict[int, int] = {}
+        for v in in_context:
+            for a in self._multi_by_value.get(v, ()):
+                hits[a] = hits.get(a, 0) + 1
+        whole = [a for a, count in hits.items() if count == len(self._parts[a].values)]
+        clauses_of: dict[str, set[int]] = {}  # a value's clauses, found once per step
+        for a in whole:
+            for v in self._parts[a].values:
+                if v not in clauses_of:
+                    clauses_of[v] = {i for i, c in enumerate(where.clauses) if occurs(v, c)}
+        return [a for a in whole if set.intersection(*(clauses_of[v] for v in self._parts[a].values))]
 
     def taken_before(self, row: int) -> list[str]:
         """The logged actions of the episode of `row` before it, oldest first."""
@@ -305,28 +458,40 @@ class GroundingTable:
             first -= 1
         return [self.vocab[a] for a in self.action_id[first:row]]
 
-    def lookup(self, rows: torch.Tensor, ids: torch.Tensor, remember: bool = True) -> torch.Tensor:
-        """rows (B,) int64 and ids (B, C) int64 (-1 = empty slot, zeros) -> (B, C, P) float32.
+    def lookup(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """rows (B,) int64 and ids (B, C) int64 (-1 = empty slot, zeros) -> (B, C, P) float32."""
+        valid = ids >= 0
+        a = ids.clamp(min=0)
+        r = rows[:, None].expand_as(a)
+        out = torch.zeros(*ids.shape, PAIR_DIM)
+        is_call = self.is_call[a]
+        n = self.n_values[a]
+        out[..., _F["is_call"]] = is_call.float()
+        out[..., _F["has_values"]] = (n > 0).float()
 
-        `remember=False` for a one-off pass (FQE scoring every vocabulary action of every step)."""
-        b, c = ids.shape
-        out = np.zeros((b, c, PAIR_DIM), np.float32)
-        for i, (row, row_ids) in enumerate(zip(rows.tolist(), ids.tolist(), strict=True)):
-            for j, action_id in enumerate(row_ids):
-                if action_id >= 0:
-                    out[i, j] = self._pair(row, action_id, remember)
-        return torch.from_numpy(out)
+        # Each (pair, value) once, pair by pair and in the action's order of values, so that the sums below
+        # add a pair's values in `features_in`'s order (in float64, then divided, as it does).
+        counts = n.reshape(-1)  # (B * C,)
+        pair = torch.repeat_interleave(torch.arange(counts.numel()), counts)  # (M,)
+        within = torch.arange(pair.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        value = self.value_ids[self.value_start[a.reshape(-1)][pair] + within]  # (M,)
+        index, found = _find(self.value_keys, r.reshape(-1)[pair] * max(len(self.values), 1) + value)
+        facts = self.value_facts[index] * found[:, None]  # (M, 3)
+        total = torch.zeros(counts.numel(), 3, dtype=torch.float64).index_add_(0, pair, facts)
+        share = (total / counts.clamp(min=1)[:, None]).float().reshape(*ids.shape, 3)
+        out[..., _F["values_in_context"]] = share[..., 0]
+        out[..., _F["values_in_observation"]] = share[..., 1]
+        out[..., _F["task_clause_observed"]] = share[..., 2]
+        out[..., _F["values_in_one_clause"]] = _find(self.clause_keys, r * len(self.vocab) + a)[1].float()
 
-    def _pair(self, row: int, action_id: int, remember: bool) -> np.ndarray:
-        key = (row, action_id)
-        found = self._pairs.get(key)
-        if found is None:
-            where = self._situations.get(row)
-            if where is None:
-                where = self._situations[row] = situation(self.state_texts[row], self.taken_before(row))
-            found = features_in(where, self.vocab[action_id])
-            if remember:
-                if len(self._pairs) >= self.max_pairs:
-                    self._pairs.clear()
-                self._pairs[key] = found
-        return found
+        name = self.name_of[a]
+        named = _find(self.name_keys, r * max(len(self.names), 1) + name.clamp(min=0))[1]
+        out[..., _F["name_in_observation"]] = (named & (name >= 0)).float()
+        tool = self.tool_of[a]
+        index, found = _find(self.tool_keys, self.run[r] * max(len(self.tools), 1) + tool.clamp(min=0))
+        used = found & (tool >= 0) & (self.tool_first[index] < r)
+        out[..., _F["tool_used_before"]] = used.float()
+        index, found = _find(self.taken_keys, self.run[r] * len(self.vocab) + a)
+        out[..., _F["taken_before"]] = (found & (self.taken_first[index] < r)).float()
+        out[..., _F["repeats_last"]] = (self.prev_action[r] == a).float()
+        return out * valid[..., None]
