@@ -74,6 +74,7 @@ BENCHMARKS = [
     ("embed", "embed.py", []),
     ("state_aliasing", "state_aliasing.py", []),
     ("train_speed", "train_speed.py", []),
+    ("train_speed_logs", "train_speed_logs.py", []),
     ("offline_quality", "offline_quality.py", []),
     # The factorised head (CQL's default) against the pairwise one it replaced, on the same seeds and budget.
     ("offline_quality_cql-pairwise_cql", "offline_quality.py", ["--algos", "cql-pairwise", "cql"]),
@@ -169,8 +170,8 @@ BENCHMARKS = [
 #: The results the README shows, one table per question; every other result is linked from it (plain PPO + KL
 #: with PPO from scratch, `online`, among them: the defaults before the recipe, measured with the old KL control).
 README_RESULTS = (
-    "ingest", "envs", "train_speed", "offline_quality", "real_logs_auc", RECIPE[0], "rollout_speed", "ray_scale",
-    "ray_ingest",
+    "ingest", "envs", "train_speed", "train_speed_logs", "offline_quality", "real_logs_auc", RECIPE[0],
+    "rollout_speed", "ray_scale", "ray_ingest",
 )
 
 

@@ -7,7 +7,8 @@ features have the shape of a simulator dataset (N steps, D = 384 MiniLM
 dimensions, V vocabulary actions, C = 8 candidates per step) with random unit
 vectors for embeddings: speed does not depend on their values, and random
 features keep this benchmark free of the encoder's cost (`embed.md` measures
-that). `--dataset PATH --encoder` would use a real dataset's features instead.
+that), and of grounding, which needs texts: `train_speed_logs.py` times the
+learners at `train`'s defaults on the features of real and simulated logs.
 
 The learners do different work per step. d3rlpy's Q network maps a state to
 all V values at once (one MLP pass per state) and its conservative logsumexp
