@@ -360,11 +360,11 @@ class GroundingTable:
         action_id: torch.Tensor,
         episode_index: torch.Tensor,
     ):
-        self.state_texts, self.vocab = state_texts, vocab
+        self.vocab = vocab
         self.action_id, self.episode_index = action_id.tolist(), episode_index.tolist()
         self._build_actions()
         self._build_episodes()
-        self._build_steps()
+        self._build_steps(state_texts)
 
     def _build_actions(self) -> None:
         parts = [call_parts(a) for a in self.vocab]
@@ -416,18 +416,18 @@ class GroundingTable:
         self.taken_keys, self.taken_first = _sorted_keys(list(first_taken), list(first_taken.values()))
         self.tool_keys, self.tool_first = _sorted_keys(list(first_tool), list(first_tool.values()))
 
-    def _build_steps(self) -> None:
+    def _build_steps(self, state_texts: Sequence[str]) -> None:
         value_finder, name_finder = StringFinder(self.values), StringFinder(self.names)
         n_values, n_names, n_actions = max(len(self.values), 1), max(len(self.names), 1), len(self.vocab)
         value_keys: list[int] = []
         value_facts: list[tuple[float, float, float]] = []  # (in context, in observation, task clause observed)
         name_keys: list[int] = []
         clause_keys: list[int] = []
-        for row, text in enumerate(self.state_texts):
+        for row, text in enumerate(state_texts):
             where = situation(text, ())  # the episode so far is `_build_episodes`' part
-            in_context = value_finder.found_in(where.context)
+            in_context = set(value_finder.found_in(where.context))
             in_observation = set(value_finder.found_in(where.observation))
-            for v in sorted(set(in_context) | in_observation):
+            for v in sorted(in_context | in_observation):
                 value_keys.append(row * n_values + v)
                 task = task_clause_observed(self.values[v], where) if v in in_context else 0.0
                 value_facts.append((float(v in in_context), float(v in in_observation), task))
@@ -437,7 +437,7 @@ class GroundingTable:
         self.name_keys, _ = _sorted_keys(name_keys)
         self.clause_keys, _ = _sorted_keys(clause_keys)
 
-    def _in_one_clause(self, where: Situation, in_context: list[int]) -> list[int]:
+    def _in_one_clause(self, where: Situation, in_context: set[int]) -> list[int]:
         """The actions of two or more values, all in one clause of `where`'s context (`values_in_one_clause`)."""
         hits: dict[int, int] = {}
         for v in in_context:
