@@ -271,10 +271,13 @@ class TrajectoryDataset:
 
     # --- Arrow -------------------------------------------------------------------------------------
     def steps_table(self, columns: list[str] | None = None) -> pa.Table:
-        """All steps as one Arrow table, sorted by (episode_id, step)."""
-        table = pq.read_table(self._files("steps"), schema=STEPS_SCHEMA, columns=columns)
-        keys = [k for k in ("episode_id", "step") if columns is None or k in columns]
-        return table.sort_by([(k, "ascending") for k in keys]) if keys else table
+        """All steps as one Arrow table, sorted by (episode_id, step), whichever `columns` are asked for: row i
+        is the same step in every read (and in `build_features`' tensors)."""
+        keys = ["episode_id", "step"]
+        read = None if columns is None else list(dict.fromkeys([*columns, *keys]))
+        table = pq.read_table(self._files("steps"), schema=STEPS_SCHEMA, columns=read)
+        table = table.sort_by([(k, "ascending") for k in keys])
+        return table if columns is None else table.select(columns)
 
     def episodes_table(self) -> pa.Table:
         return pq.read_table(self._files("episodes"), schema=EPISODES_SCHEMA).sort_by("episode_id")

@@ -102,6 +102,21 @@ def test_advice_on_logs_agrees_with_the_policy_step_by_step(pipeline, one_torch_
     assert all(0 <= a.episode_success <= 1 or math.isnan(a.episode_success) for a in advice)
 
 
+def test_advice_does_not_depend_on_the_order_of_the_steps_on_disk(pipeline, tmp_path, one_torch_thread):
+    import pyarrow as pa
+
+    from offline_agent.dataset import TrajectoryDataset, write_dataset
+
+    ds = TrajectoryDataset.open(pipeline["data"])
+    steps = ds.steps_table()
+    meta = {k: v for k, v in ds.meta.items() if k not in ("counts", "fingerprint")}
+    shuffled = tmp_path / "shuffled"  # the same steps, last first, as logs ingested unsorted are
+    write_dataset(shuffled, steps.take(pa.array(range(steps.num_rows - 1, -1, -1))), ds.episodes_table(), None, meta)
+    on_disk = TrajectoryDataset.open(shuffled)
+    assert on_disk.steps_table(columns=["tool_name", "is_error"]) == steps.select(["tool_name", "is_error"])
+    assert advise(shuffled, pipeline["run"]) == advise(pipeline["data"], pipeline["run"])
+
+
 def test_cli_prints_the_table_and_writes_the_csv(pipeline, tmp_path, one_torch_thread):
     out = tmp_path / "advice.csv"
     args = [str(pipeline["data"]), str(pipeline["run"])]
