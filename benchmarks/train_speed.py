@@ -87,20 +87,23 @@ LEARNERS = {
 }
 
 
-def steps_per_second(
-    algo: str, features, batch_size: int, hidden: int | None, steps: int, warmup: int, **extra
-) -> float:
-    """Steps per second of `algo` after `warmup` steps (a separate short run that warms caches and allocator).
-    `hidden` None is the learner's own default width."""
+def steps_per_second(algo: str, features, steps: int, warmup: int, **settings) -> float:
+    """Steps per second of `algo` with `settings` (None values: the learner's defaults) after `warmup` steps (a
+    separate short run that warms caches and allocator)."""
     from offline_agent.learn.train import make_config, run_algorithm
 
-    settings = {"batch_size": batch_size, "hidden": hidden, "log_every": max(steps, 1), **extra}
-    if algo != "d3rlpy-cql":
-        settings["grounding"] = False  # synthetic features have no texts to ground candidates in
+    settings = {"log_every": max(steps, 1), **settings}
     run_algorithm(algo, features, make_config(algo, steps=warmup, **settings))
     start = time.perf_counter()
     run_algorithm(algo, features, make_config(algo, steps=steps, **settings))
     return steps / (time.perf_counter() - start)
+
+
+def settings_of(algo: str, batch_size: int, hidden: int | None, **extra) -> dict:
+    """A learner's settings here: `hidden` None is its own default width, and no grounding (synthetic features
+    have no texts to ground candidates in)."""
+    grounding = {} if algo == "d3rlpy-cql" else {"grounding": False}
+    return {"batch_size": batch_size, "hidden": hidden, **grounding, **extra}
 
 
 def main() -> None:
@@ -122,7 +125,8 @@ def main() -> None:
         torch.set_num_threads(threads)
         for batch in args.batch_sizes:
             rate = {
-                label: steps_per_second(algo, features, batch, args.hidden, args.steps, args.warmup, **extra)
+                label: steps_per_second(algo, features, args.steps, args.warmup,
+                                        **settings_of(algo, batch, args.hidden, **extra))
                 for label, (algo, extra) in LEARNERS.items()
             }
             ours, d3 = rate["CQL (ours, factorised head)"], rate["d3rlpy DiscreteCQL"]

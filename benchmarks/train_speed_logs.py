@@ -25,6 +25,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.train_speed import steps_per_second  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out" / "train_speed_logs"
 REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
@@ -59,17 +60,6 @@ def datasets() -> dict[str, Path]:
     return found
 
 
-def timed(algo: str, features, steps: int, warmup: int, batch_size: int, **settings) -> float:
-    """Steps per second of `algo` at its defaults (plus `settings`), after a warm-up run."""
-    from offline_agent.learn.train import make_config, run_algorithm
-
-    settings = {"batch_size": batch_size, "log_every": max(steps, 1), **settings}
-    run_algorithm(algo, features, make_config(algo, steps=warmup, **settings))
-    start = time.perf_counter()
-    run_algorithm(algo, features, make_config(algo, steps=steps, **settings))
-    return steps / (time.perf_counter() - start)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200, help="timed gradient steps per learner")
@@ -95,9 +85,9 @@ def main() -> None:
         GroundingTable(features.state_texts, features.vocab, features.action_id, features.episode_index)
         build = time.perf_counter() - start
         features.grounding_table()  # the learners' own, built before the timing (its cost is the column above)
-        ours = timed("cql", features, args.steps, args.warmup, batch)
-        plain = timed("cql", features, args.steps, args.warmup, batch, grounding=False)
-        d3 = timed("d3rlpy-cql", features, args.steps, args.warmup, batch)
+        ours = steps_per_second("cql", features, args.steps, args.warmup, batch_size=batch)
+        plain = steps_per_second("cql", features, args.steps, args.warmup, batch_size=batch, grounding=False)
+        d3 = steps_per_second("d3rlpy-cql", features, args.steps, args.warmup, batch_size=batch)
         logged = "all" if bool(features.has_candidates.all()) else (
             "none" if not bool(features.has_candidates.any()) else "some")
         rows.append([label, features.n_steps, len(features.vocab), logged, f"{build:.1f}", f"{ours:.1f}",
