@@ -374,6 +374,9 @@ class GroundingTable:
         value_id = {v: i for i, v in enumerate(self.values)}
         name_id = {n: i for i, n in enumerate(self.names)}
         tool_id = {t: i for i, t in enumerate(self.tools)}
+        # Keys are row * stride + id (a step's value, name or tool) or run * stride + id (an episode's tool).
+        self.value_stride, self.name_stride = max(len(self.values), 1), max(len(self.names), 1)
+        self.tool_stride = max(len(self.tools), 1)
         self.is_call = torch.tensor([p.is_call for p in parts], dtype=torch.bool)
         # each action's values, one after the other: action a's are value_ids[value_start[a]:][:n_values[a]]
         self.value_ids = torch.tensor([value_id[v] for p in parts for v in p.values], dtype=torch.int64)
@@ -403,13 +406,12 @@ class GroundingTable:
         self.run = torch.tensor(run, dtype=torch.int64)
         first_taken: dict[int, int] = {}
         first_tool: dict[int, int] = {}
-        n_tools = max(len(self.tools), 1)
         prev = [-1] * n
         for row, action in enumerate(self.action_id):
             first_taken.setdefault(run[row] * n_actions + action, row)
             tool = int(self.tool_of[action])
             if tool >= 0:
-                first_tool.setdefault(run[row] * n_tools + tool, row)
+                first_tool.setdefault(run[row] * self.tool_stride + tool, row)
             if row > 0 and run[row] == run[row - 1]:
                 prev[row] = self.action_id[row - 1]
         self.prev_action = torch.tensor(prev, dtype=torch.int64)
@@ -418,7 +420,7 @@ class GroundingTable:
 
     def _build_steps(self, state_texts: Sequence[str]) -> None:
         value_finder, name_finder = StringFinder(self.values), StringFinder(self.names)
-        n_values, n_names, n_actions = max(len(self.values), 1), max(len(self.names), 1), len(self.vocab)
+        n_actions = len(self.vocab)
         value_keys: list[int] = []
         value_facts: list[tuple[float, float, float]] = []  # (in context, in observation, task clause observed)
         name_keys: list[int] = []
@@ -428,10 +430,10 @@ class GroundingTable:
             in_context = set(value_finder.found_in(where.context))
             in_observation = set(value_finder.found_in(where.observation))
             for v in sorted(in_context | in_observation):
-                value_keys.append(row * n_values + v)
+                value_keys.append(row * self.value_stride + v)
                 task = task_clause_observed(self.values[v], where) if v in in_context else 0.0
                 value_facts.append((float(v in in_context), float(v in in_observation), task))
-            name_keys.extend(row * n_names + i for i in name_finder.found_in(where.observation))
+            name_keys.extend(row * self.name_stride + i for i in name_finder.found_in(where.observation))
             clause_keys.extend(row * n_actions + a for a in self._in_one_clause(where, in_context))
         self.value_keys, self.value_facts = _sorted_keys(value_keys, value_facts, 3, torch.float64)
         self.name_keys, _ = _sorted_keys(name_keys)
@@ -475,7 +477,7 @@ class GroundingTable:
         pair = torch.repeat_interleave(torch.arange(counts.numel()), counts)  # (M,)
         within = torch.arange(pair.numel()) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
         value = self.value_ids[self.value_start[a.reshape(-1)][pair] + within]  # (M,)
-        index, found = _find(self.value_keys, r.reshape(-1)[pair] * max(len(self.values), 1) + value)
+        index, found = _find(self.value_keys, r.reshape(-1)[pair] * self.value_stride + value)
         facts = self.value_facts[index] * found[:, None]  # (M, 3)
         total = torch.zeros(counts.numel(), 3, dtype=torch.float64).index_add_(0, pair, facts)
         share = (total / counts.clamp(min=1)[:, None]).float().reshape(*ids.shape, 3)
@@ -485,10 +487,10 @@ class GroundingTable:
         out[..., _F["values_in_one_clause"]] = _find(self.clause_keys, r * len(self.vocab) + a)[1].float()
 
         name = self.name_of[a]
-        named = _find(self.name_keys, r * max(len(self.names), 1) + name.clamp(min=0))[1]
+        named = _find(self.name_keys, r * self.name_stride + name.clamp(min=0))[1]
         out[..., _F["name_in_observation"]] = (named & (name >= 0)).float()
         tool = self.tool_of[a]
-        index, found = _find(self.tool_keys, self.run[r] * max(len(self.tools), 1) + tool.clamp(min=0))
+        index, found = _find(self.tool_keys, self.run[r] * self.tool_stride + tool.clamp(min=0))
         used = found & (tool >= 0) & (self.tool_first[index] < r)
         out[..., _F["tool_used_before"]] = used.float()
         index, found = _find(self.taken_keys, self.run[r] * len(self.vocab) + a)
