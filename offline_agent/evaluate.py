@@ -8,8 +8,10 @@ the same seeds `offline-agent simulate` uses, so a policy and the logs' behaviou
 policy are compared on identical tasks. The encoder runs in the fastest precision
 the device runs well (`encoder_precision="auto"`, the default; `resolve_precision`):
 int8 with ONNX Runtime (`offline_agent.text.int8`) on CPUs with int8 instructions,
-else bfloat16 where the device computes in it natively, for a policy trained on fp32
-vectors too; "fp32", "bf16" or "int8" forces one.
+else bfloat16 where the device computes in it natively, whatever precision the policy
+was trained in; "fp32", "bf16" or "int8" forces one. The off-policy estimate reads
+the dataset's vectors in the precision the policy was trained in (those training
+embedded and cached; `policy.trained_precision`).
 
 `summarize` turns the episodes into the report: success rate with its 95%
 Wilson interval, mean return (and discounted return, what FQE estimates), mean

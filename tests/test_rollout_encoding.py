@@ -209,11 +209,13 @@ def test_bf16_vectors_have_an_id_and_cache_of_their_own_and_stand_in_for_fp32_on
     bf16_cache.embed(["Task: fix it"])
     assert fp32_cache.lookup([text_hash("Task: fix it")]) == {}
     assert json.loads((bf16_cache.folder / "encoder.json").read_text())["precision"] == "bf16"
-    # A policy trained on bf16 vectors (none is, today) is not played with fp32 ones: the exception goes one way.
+    # A policy trained on bf16 vectors (`train --encoder-precision bf16`) is played with fp32 ones as well, and
+    # loads in bf16 when no precision is asked for; never with another model's (whole-text vectors are others).
     trained_on_bf16 = {**policy.meta, "encoder": {**policy.meta["encoder"], "id": bf16.id}}
-    assert encoder_for(trained_on_bf16, bf16) is bf16
+    assert encoder_for(trained_on_bf16, bf16) is bf16 and encoder_for(trained_on_bf16, fp32) is fp32
+    assert encoder_for(trained_on_bf16).precision == "bf16"
     with pytest.raises(UserError, match=r"trained on embeddings of encoder \S+-bf16"):
-        encoder_for(trained_on_bf16, fp32)
+        encoder_for(trained_on_bf16, learn_data.whole_text_encoder())
     with pytest.raises(UserError, match="--encoder-precision 'fp16' is not one of fp32, bf16, int8, auto"):
         TextEncoder(precision="fp16")
 

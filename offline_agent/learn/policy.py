@@ -9,16 +9,16 @@ A checkpoint is two files in a run folder:
 
 and, for a run trained with a value network (`offline_agent.learn.value`; `value_network` in the JSON holds
 its constructor arguments), `value.safetensors`; for one with a tuned encoder, `encoder.safetensors`; and
-`texts.safetensors`, the fp32 vectors of the logs' most frequent texts that every memo of the loaded policy
-starts with (`offline_agent.text.known`; `known_texts` in the JSON counts them).
+`texts.safetensors`, the vectors (those it was trained on) of the logs' most frequent texts that every memo of
+the loaded policy starts with (`offline_agent.text.known`; `known_texts` in the JSON counts them).
 
 Both are written to temporary names and renamed, the JSON last, so a reader
 sees a whole checkpoint or none. `Policy.load` rebuilds the network from the
 JSON, loads the tensors, and refuses (UserError) an encoder other than the one
 the policy was trained with: its values would be computed on vectors it has
-never seen. The one exception is deliberate: the same model run in bf16
-(`--encoder-precision bf16`) or int8 (`int8`), whose vectors are within 1e-4
-and 1e-2 of cosine of the fp32 ones (`encoder_for`).
+never seen. The one exception is deliberate: the same model run in another
+precision (`--encoder-precision`: fp32, bf16 or int8), whose vectors are within
+1e-4 (bf16) and 1e-2 (int8) of cosine of the fp32 ones (`encoder_for`).
 
 `Policy.act(observation)` plays in an environment whose observations are
 `{"text", "candidates"}` dicts: it keeps the episode's turns, renders the state
@@ -207,26 +207,29 @@ def encoder_for(
     encoder: Any = None,
     device: str = "cpu",
     folder: str | Path | None = None,
-    precision: str = "fp32",
+    precision: str | None = None,
 ) -> Any:
     """The encoder a checkpoint was trained with: `encoder` if given (an encoder, or a model folder loaded
     with the checkpoint's settings), else loaded from the recorded path (or the packaged default when that
     path is absent here), with the checkpoint's tuned top layers (read from `folder`) if it has them. A
     different encoder id is a UserError.
 
-    `precision` is the number format of an encoder loaded here (`TextEncoder(precision=...)`). A bf16 or int8
-    encoder is accepted for a policy trained on the fp32 vectors of the same model (its `fp32_id`): at decision
-    time its vectors stand in for them (cosine >= 0.9999 and >= 0.99). Not the other way round, and never a
-    different model."""
+    `precision` is the number format of an encoder loaded here (`TextEncoder(precision=...)`); None: the one
+    the policy was trained in (`trained_precision`). An encoder of the same model in another precision is
+    accepted (their `fp32_id`s agree): at decision time its vectors stand in for the ones the policy was
+    trained on (cosine >= 0.9999 between bf16 and fp32, >= 0.99 between int8 and either). Never a different
+    model."""
+    from offline_agent.text.encoder import TextEncoder
+
     wanted = meta.get("encoder")
     if not isinstance(wanted, dict) or "id" not in wanted:
         raise UserError("the checkpoint's policy.json names no encoder (encoder.id): retrain it with this version")
+    if precision is None:
+        precision = trained_precision(wanted["id"], device)
     tuned = wanted.get("tuned")
     given = encoder is not None and not isinstance(encoder, str | Path)
     if not given or (tuned and getattr(encoder, "fp32_id", encoder.id) == tuned.get("base_id")):
         # A tuned policy is given its base encoder (e.g. by `evaluate --encoder`): a copy gets the layers.
-        from offline_agent.text.encoder import TextEncoder
-
         if encoder is None:
             path = wanted.get("path")
             path = path if path and Path(path).is_dir() else None
@@ -244,7 +247,7 @@ def encoder_for(
             if folder is None:
                 raise ValueError("a tuned encoder's layers are read from the checkpoint folder: pass `folder`")
             encoder.load_tuned_layers(tuned_layers(folder, meta), base_id=tuned.get("base_id"))
-    stands_in = getattr(encoder, "precision", "fp32") != "fp32" and getattr(encoder, "fp32_id", None) == wanted["id"]
+    stands_in = getattr(encoder, "fp32_id", None) == TextEncoder.fp32_id_of(wanted["id"])
     if encoder.id != wanted["id"] and not stands_in:
         raise UserError(
             f"this policy was trained on embeddings of encoder {wanted['id']} (from {wanted.get('path')}), "
@@ -252,6 +255,16 @@ def encoder_for(
             "or retrain the policy with this encoder"
         )
     return encoder
+
+
+def trained_precision(encoder_id: str, device: str) -> str:
+    """The precision of the vectors a policy was trained on (read off its encoder id), if `device` runs it;
+    else fp32 (int8 runs on the CPU only), whose vectors stand in for them. Off-policy evaluation and advice
+    then read the dataset's vectors from the same embedding cache that training filled."""
+    from offline_agent.text.encoder import TextEncoder
+
+    precision = TextEncoder.precision_of(encoder_id)
+    return "fp32" if precision == "int8" and not device.startswith("cpu") else precision
 
 
 # --- the policy ------------------------------------------------------------------------------------
@@ -320,7 +333,7 @@ class Policy:
         device: str = "cpu",
         greedy: bool = True,
         seed: int = 0,
-        precision: str = "fp32",
+        precision: str | None = None,
         known_texts: bool = True,
     ) -> Policy:
         """The policy of a checkpoint (run folder or its policy.json); see `encoder_for` for the encoder and

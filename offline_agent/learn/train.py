@@ -96,15 +96,17 @@ class TrainResult:
         return self.steps / self.seconds if self.seconds > 0 else float("inf")
 
 
-def load_encoder(encoder: Any, device: str, state_settings: StateSettings) -> Any:
-    """A `TextEncoder` from a path (None = the packaged MiniLM) with the observation view and per-turn vectors
-    `state_settings` ask for, or `encoder` itself if it is one already (then with those settings)."""
+def load_encoder(encoder: Any, device: str, state_settings: StateSettings, precision: str = "fp32") -> Any:
+    """A `TextEncoder` from a path (None = the packaged MiniLM) in `precision` with the observation view and
+    per-turn vectors `state_settings` ask for, or `encoder` itself if it is one already (then with those
+    settings, in its own precision)."""
     if encoder is None or isinstance(encoder, str | Path):
         from offline_agent.text.encoder import TextEncoder
 
         path = None if encoder is None else str(encoder)
         return TextEncoder(
-            path=path, device=device, observation_view=state_settings.observation_view, per_turn=state_settings.per_turn
+            path=path, device=device, observation_view=state_settings.observation_view,
+            per_turn=state_settings.per_turn, precision=precision,
         )
     state_settings.for_encoder(encoder)  # refuses an encoder with other views
     return encoder
@@ -121,6 +123,7 @@ def train(
     device: str = "cpu",
     alpha: float | None = None,
     encoder: Any = None,
+    encoder_precision: str = "fp32",
     state_settings: StateSettings | None = None,
     overwrite: bool = False,
     progress: bool = False,
@@ -130,6 +133,9 @@ def train(
 ) -> TrainResult:
     """Train `algo` on `dataset` and write the run folder `out` (see the module docstring).
 
+    `encoder_precision` is the number format the dataset is embedded in when `encoder` is a path or None
+    (`TextEncoder(precision=...)`): "fp32" (the default), "bf16", "int8" or "auto"; the policy records it in its
+    encoder id, and an encoder of the same model in any precision plays it (`policy.encoder_for`).
     `state_settings` say how states become text and vectors (None: the defaults, whole-text vectors when
     the encoder is tuned, or with `features` theirs),
     recorded in policy.json; with the observation view the encoder embeds each state's current observation
@@ -155,7 +161,12 @@ def train(
     if state_settings is None:
         # A tuned encoder is tuned over whole state texts, so its states are whole texts unless asked otherwise.
         state_settings = features.state_settings if features is not None else StateSettings(per_turn=not n_tuned)
-    encoder = load_encoder(encoder, device, state_settings)
+    encoder = load_encoder(encoder, device, state_settings, encoder_precision)
+    if n_tuned and getattr(encoder, "precision", "fp32") != "fp32":
+        # The tuner backpropagates through the torch model in fp32; its vectors would not be the ones embedded.
+        raise UserError(
+            f"--tune-encoder-layers trains the encoder in fp32, not {encoder.precision}: drop --encoder-precision"
+        )
     if n_tuned and (state_settings.observation_view or state_settings.per_turn):
         # The tuner pools the model's own output over the whole text; it has no other view to train through.
         fix = "drop --observation-view" if state_settings.observation_view else "add --whole-text"

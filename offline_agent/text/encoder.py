@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +35,10 @@ Precision = Literal["fp32", "bf16", "int8", "auto"]
 # 90 MB of weights on every start would cost more than the encoding of a small dataset.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 _TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "merges.txt", "spiece.model", "tokenizer.model")
+
+# An id's precision segment: "-bf16" or "-int8" right after the model id, which ends in a 12-hex digest (its own
+# or its tuned layers'), so that a model folder whose name says "int8" is not read as one.
+_PRECISION_SEGMENT = re.compile(r"(?<=-[0-9a-f]{12})-(bf16|int8)(?=-|$)")
 
 
 def native_bf16(device: str = "cpu") -> bool:
@@ -173,14 +178,16 @@ class TextEncoder:
     0.9999 to the fp32 vectors (int8 dynamic quantisation of the linear layers was nearly as fast but fell to
     0.89, so it is not offered). The speed needs bf16 instructions (AVX512-BF16 or AMX); elsewhere bf16 is
     emulated and gains nothing. Its vectors are not the fp32 ones: the id ends in `-bf16` (the embedding
-    cache keeps them apart, in a folder of their own), and `fp32_id` names the vectors they stand in for,
-    which is how a policy trained on fp32 vectors accepts a bf16 encoder at decision time
+    cache keeps them apart, in a folder of their own), and `fp32_id` names the model whose vectors they are,
+    which is how a policy trained on one precision's vectors accepts an encoder in another at decision time
     (`offline_agent.learn.policy.encoder_for`).
 
     With `precision="int8"`, the forward pass runs in ONNX Runtime with most linear layers quantised to int8
     (`offline_agent.text.int8`, built on the first encode, or at once when "auto" chose it): vectors within
-    cosine 0.99 of fp32's, and the id ends in `-int8`. It stands in for the fp32 vectors at decision time as
-    bf16 does. A model that cannot be quantised fails under "int8" and runs in bf16 or fp32 under "auto".
+    cosine 0.99 of fp32's, and the id ends in `-int8`. It stands in for the other precisions at decision time
+    as bf16 does. A model that cannot be quantised fails under "int8" and runs in bf16 or fp32 under "auto".
+    Embedding a dataset (`train`/`embed --encoder-precision`) is where int8 saves the most: ~3x fp32's speed on
+    the blocks of real logs (benchmarks/results/embed.md).
     """
 
     def __init__(
@@ -287,7 +294,14 @@ class TextEncoder:
     def precision_of(encoder_id: str) -> str:
         """The precision an encoder id's vectors were made in: `single_id` puts "-bf16" or "-int8" after the
         model's id, nothing in fp32."""
-        return next((p for p in ("bf16", "int8") if f"-{p}-" in f"{encoder_id}-"), "fp32")
+        found = _PRECISION_SEGMENT.search(encoder_id)
+        return "fp32" if found is None else found.group(1)
+
+    @staticmethod
+    def fp32_id_of(encoder_id: str) -> str:
+        """The id of the same model's vectors in fp32 (the id itself when it is one): what the vectors of
+        every precision of that model stand in for, and for each other."""
+        return _PRECISION_SEGMENT.sub("", encoder_id, count=1)
 
     @property
     def single_id(self) -> str:

@@ -8,8 +8,9 @@ the dataset was. So `train` saves the vectors of the dataset's `MAX_KNOWN_TEXTS`
 candidates and actions, and with per-turn vectors the blocks of the state texts) from its embedding cache,
 and every memo of a loaded policy starts with them (`EmbeddingMemo.seed`).
 
-They are the fp32 vectors the policy was trained on: a rollout encoder in bf16 or int8 meets them exactly
-where it would otherwise have computed its own approximations of them.
+They are the vectors the policy was trained on (fp32 unless `train --encoder-precision` said otherwise): a
+rollout encoder in another precision meets them exactly where it would otherwise have computed its own
+approximations of them.
 
 The arrays are the memo's own format (`text_arrays`): `texts` (UTF-8 bytes, uint8), `offsets` (N + 1, int64)
 and `vectors` (N, D) float32.
