@@ -6,8 +6,12 @@ so they share torch's thread pool. The texts are the state and action texts the
 (τ-bench airline, InterCode bash) when present, else generated agent-like
 observations and tool calls. Each method gets a warm-up batch, then the best of
 `--repeats` timed runs (alternating between the two) counts. Also timed: the embedding cache cold (encode +
-write a part file) and warm (every text a hit). Prints a markdown table and
-writes it to benchmarks/results/embed.md.
+write a part file) and warm (every text a hit).
+
+A second table times what `embed` and `train` do with a real dataset by default (per-turn state vectors):
+embed every distinct block, action and candidate of all its episodes into an empty cache, in fp32, bf16 and
+int8 (`--encoder-precision`), one after the other, with the smallest cosine of each precision's state and
+action vectors to the fp32 ones. Prints the tables and writes them to benchmarks/results/embed.md.
 """
 
 from __future__ import annotations
@@ -66,6 +70,46 @@ def generated_texts(n: int, seed: int) -> list[str]:
     return texts
 
 
+#: Real logs for the precision table: name -> (source, reward spec of `ingest`).
+DATASETS = {
+    "τ-bench airline": (REAL / "tau_bench_airline" / "gpt-4o-airline.json", "outcome"),
+    "InterCode SQL": (REAL / "intercode" / "sql_gpt-4", "score-delta"),
+    "InterCode bash": (REAL / "intercode" / "bash_gpt-4", "score-delta"),
+}
+PRECISIONS = ("fp32", "bf16", "int8")
+
+
+def precision_rows(device: str, batch_size: int) -> list[list[str]] | None:
+    """One row per real dataset: its texts, and each precision's seconds (cold cache) and min cosine to fp32."""
+    from offline_agent.ingest import ingest
+    from offline_agent.text.cache import EmbeddingCache
+    from offline_agent.text.encoder import TextEncoder
+    from offline_agent.text.states import StateSettings, dataset_texts, turn_blocks
+
+    if not all(source.exists() for source, _ in DATASETS.values()):
+        return None
+    encoders = {p: TextEncoder(device=device, batch_size=batch_size, precision=p) for p in PRECISIONS}
+    encoders["int8"].encode(["builds the int8 model before the clock starts"])
+    rows = []
+    for name, (source, reward) in DATASETS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            ingest([source], Path(tmp) / "ds", reward=reward)
+            texts = dataset_texts(Path(tmp) / "ds", StateSettings().for_encoder(encoders["fp32"]),
+                                  encoders["fp32"].count_tokens)
+            every = [*texts.states, *texts.actions, *texts.candidates]
+            n_blocks = len({block for text in every for block in turn_blocks(text)})
+            seconds, vectors = {}, {}
+            for precision, encoder in encoders.items():
+                cache = EmbeddingCache(Path(tmp) / precision, encoder)
+                seconds[precision], vectors[precision] = timed(lambda c=cache, t=every: c.embed(t))
+        cosine = {p: float((vectors[p] * vectors["fp32"]).sum(1).min()) for p in PRECISIONS}
+        rows.append([name, f"{len(texts.states):,} states, {n_blocks:,} distinct texts",
+                     *(f"{seconds[p]:.0f} ({seconds['fp32'] / seconds[p]:.1f}x)" for p in PRECISIONS),
+                     *(f"{cosine[p]:.4f}" for p in PRECISIONS[1:])])
+        print(rows[-1], file=sys.stderr, flush=True)
+    return rows
+
+
 def timed(fn):
     start = time.perf_counter()
     result = fn()
@@ -80,6 +124,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--no-precisions", action="store_true", help="skip the real datasets' precision table")
     args = parser.parse_args()
 
     import numpy as np
@@ -119,6 +164,7 @@ def main() -> None:
         t_warm, _ = timed(lambda: cache.embed(texts))
         assert cache.misses == 0
     load_after = os.getloadavg()[0]
+    by_precision = None if args.no_precisions else precision_rows(args.device, args.batch_size)
 
     n = len(texts)
     rows = [
@@ -134,11 +180,24 @@ def main() -> None:
         f"max |ours - sentence-transformers| = {max_diff:.1e}; best of {args.repeats} alternating runs; "
         f"1-min load average {load_before:.1f} before, {load_after:.1f} after (other processes share the cores)."
     )
+    body = f"{table}\n\n{notes}"
+    if by_precision is not None:
+        body += "\n\n" + markdown_table(
+            ["real logs", "texts (per-turn blocks, actions, candidates)",
+             *(f"{p} seconds (x fp32)" for p in PRECISIONS), *(f"{p} min cosine to fp32" for p in PRECISIONS[1:])],
+            by_precision,
+        ) + (
+            "\n\nWhat `embed` and `train` encode on a whole real dataset by default (per-turn state vectors, k = 3, "
+            "256 tokens): every distinct block, action and candidate, into an empty embedding cache (encode + "
+            f"write), in each `--encoder-precision`, batch size {args.batch_size}, {torch.get_num_threads()} torch "
+            "threads; int8's model built before the clock starts (a few seconds, once per process). Min cosine: "
+            "the smallest over every state and action vector of the dataset, to the fp32 one."
+        )
     command = "python benchmarks/embed.py" + (f" --device {args.device}" if args.device != "cpu" else "")
     if args.no_write:
-        print(f"{table}\n\n{notes}")
+        print(body)
     else:
-        write_result("embed", "Embedding throughput", f"{table}\n\n{notes}", command)
+        write_result("embed", "Embedding throughput", body, command)
 
 
 if __name__ == "__main__":

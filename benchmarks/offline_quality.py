@@ -136,6 +136,8 @@ def main() -> None:
                         help="only these learners (a quick check; the table is written to a file of its own)")
     parser.add_argument("--whole-text", action="store_true",
                         help="every learner on whole-text state vectors (`train --whole-text`; a table of its own)")
+    parser.add_argument("--encoder-precision", default="fp32", choices=["fp32", "bf16", "int8"],
+                        help="embed the logs in this precision (`train --encoder-precision`; a table of its own)")
     for name, value in BUDGETS["default"].items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"default {value}")
     args = parser.parse_args()
@@ -148,7 +150,8 @@ def main() -> None:
     base = BUDGETS["full" if args.full else "default"]
     budget = dict(base)
     budget.update({k: v for k, v in vars(args).items() if k in budget and v is not None})
-    encoder = TextEncoder(max_length=budget["max_length"], per_turn=not args.whole_text)
+    encoder = TextEncoder(max_length=budget["max_length"], per_turn=not args.whole_text,
+                          precision=args.encoder_precision)
     start = time.perf_counter()
     algos = args.algos or ALGOS + (["cql-adapter"] if args.with_adapter else [])
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
@@ -170,6 +173,7 @@ def main() -> None:
         f"batch {b['batch_size']}, hidden width {b['hidden']}, on the same frozen MiniLM features (k = {b['k']} "
         "turns, " + ("whole-text state vectors, a text" if args.whole_text else "per-turn state vectors, a block")
         + f" cut to {b['max_length']} tokens"
+        + (f", embedded in {args.encoder_precision}" if args.encoder_precision != "fp32" else "")
         + "); BC, filtered BC and CQL also read each candidate's grounding in the "
         f"episode (their default; d3rlpy's network sees states only). Total {total / 60:.1f} min.\n\n"
         + markdown_table(header, rows)
@@ -186,6 +190,8 @@ def main() -> None:
         name, title = f"{name}_{'_'.join(args.algos)}", f"{title}: {' vs '.join(LABELS[a] for a in algos)}"
     if args.whole_text:
         name, title = f"{name}_wholetext", f"{title}, whole-text state vectors"
+    if args.encoder_precision != "fp32":
+        name, title = f"{name}_{args.encoder_precision}", f"{title}, logs embedded in {args.encoder_precision}"
     write_result(name, title, table, command)
 
 

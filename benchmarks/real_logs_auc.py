@@ -261,6 +261,8 @@ def main() -> None:
                         help="CQL's Monte-Carlo auxiliary loss (its own table: real_logs_auc_mcW.md)")
     parser.add_argument("--whole-text", action="store_true",
                         help="whole-text state vectors (`train --whole-text`; a table of its own)")
+    parser.add_argument("--encoder-precision", default="fp32", choices=["fp32", "bf16", "int8"],
+                        help="embed the logs in this precision (`train --encoder-precision`; a table of its own)")
     parser.add_argument("--sources", nargs="*", choices=sorted(SLUGS), default=sorted(SLUGS),
                         help="a part of the sources (the table then has only those rows)")
     args = parser.parse_args()
@@ -275,7 +277,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     budget = BUDGETS["full" if args.full else "default"]
-    encoder = TextEncoder(max_length=budget["max_length"], per_turn=not args.whole_text)
+    encoder = TextEncoder(max_length=budget["max_length"], per_turn=not args.whole_text,
+                          precision=args.encoder_precision)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -298,6 +301,7 @@ def main() -> None:
         + (f"whole-text state vectors (a text cut to {b['max_length']} tokens)" if args.whole_text
            else f"per-turn state vectors (each block cut to {b['max_length']} tokens)")
         + (f", at most {b['max_episodes']} episodes per source" if b["max_episodes"] else "")
+        + (f"; every text embedded in {args.encoder_precision}" if args.encoder_precision != "fp32" else "")
         + ". Same task's train success rate: a reference no learner gets, each test episode scored by the "
         "success rate of the train split's episodes of the same task (the logs' task id; τ-bench ran each of its "
         "50 tasks 4 times): what knowing the task exactly is worth where its runs' outcomes vary. "
@@ -315,16 +319,20 @@ def main() -> None:
     ) + (f" --mc-weight {args.mc_weight:g}" if args.mc_weight else "") + (
         " --whole-text" if args.whole_text else ""
     ) + (
+        f" --encoder-precision {args.encoder_precision}" if args.encoder_precision != "fp32" else ""
+    ) + (
         f" --sources {' '.join(args.sources)}" if some_sources else ""
     )
     name = "real_logs_auc" + (f"_mc{args.mc_weight:g}".replace(".", "") if args.mc_weight else "") + (
         "_wholetext" if args.whole_text else ""
-    )
+    ) + ("" if args.encoder_precision == "fp32" else f"_{args.encoder_precision}")
     if some_sources:
         name += "_" + "_".join(sorted(args.sources))
     title = "Real logs: value of the first state vs episode success" + (
         f", with CQL's Monte-Carlo auxiliary loss (weight {args.mc_weight:g})" if args.mc_weight else ""
-    ) + (", whole-text state vectors" if args.whole_text else "")
+    ) + (", whole-text state vectors" if args.whole_text else "") + (
+        f", logs embedded in {args.encoder_precision}" if args.encoder_precision != "fp32" else ""
+    )
     write_result(name, title, table, command)
 
 

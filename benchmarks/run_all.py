@@ -84,6 +84,9 @@ BENCHMARKS = [
     ("real_logs_auc", "real_logs_auc.py", []),
     # CQL with its Monte-Carlo auxiliary loss (an option, off by default) on the same real logs and seeds.
     ("real_logs_auc_mc5", "real_logs_auc.py", ["--mc-weight", "5"]),
+    # The same with the logs embedded in int8 (`train --encoder-precision int8`, an option, fp32 by default).
+    ("real_logs_auc_int8", "real_logs_auc.py", ["--encoder-precision", "int8"]),
+    ("offline_quality_cql_int8", "offline_quality.py", ["--algos", "cql", "--encoder-precision", "int8"]),
     # Whether evaluate's FQE interval covers the value the policy gets in the simulator (150 and 800 logs).
     ("fqe_coverage", "fqe_coverage.py", []),
     RECIPE,
@@ -191,7 +194,8 @@ def splice_readme(readme: Path = README, results: Path = HERE / "results") -> No
 
 
 def more_results(names: list[str], results: Path) -> str:
-    """The other results as links: a line each, the online fine-tuning variants together on one."""
+    """The other results as links: a line each, the online fine-tuning variants together on one, and the
+    learners on logs embedded in int8 on another."""
     def link(name: str, label: str) -> str:
         return f"[{label}](benchmarks/results/{name}.md)"
 
@@ -199,7 +203,11 @@ def more_results(names: list[str], results: Path) -> str:
         return (results / f"{name}.md").read_text().splitlines()[0].removeprefix("### ").strip()
 
     online = [name for name in names if name.startswith("online_")]
-    lines = [f"- {link(name, title(name))}" for name in names if name not in online]
+    int8 = [name for name in names if name.endswith("_int8") and name not in online]
+    lines = [f"- {link(name, title(name))}" for name in names if name not in online + int8]
+    if int8:
+        labels = ", ".join(link(name, name.removesuffix("_int8").replace("_", " ")) for name in int8)
+        lines.append(f"- The learners on logs embedded in int8 (`train --encoder-precision int8`): {labels}")
     if online:
         labels = ", ".join(link(name, name.removeprefix("online_")) for name in online)
         lines.append(f"- Online fine-tuning with other settings (offline start, temperature, shaping, self-imitation, "

@@ -254,9 +254,9 @@ def train(
 
 
 def known_text_arrays(ds: Any, encoder: Any, features: Features) -> dict[str, Any] | None:
-    """The fp32 vectors of the logs' most frequent texts (`offline_agent.text.known`), read from the dataset's
-    embedding cache (where `build_features` put them), for the checkpoint; None for an encoder without a
-    one-view form (duck-typed encoders of experiments)."""
+    """The vectors (in the encoder's precision) of the logs' most frequent texts (`offline_agent.text.known`),
+    read from the dataset's embedding cache (where `build_features` put them), for the checkpoint; None for an
+    encoder without a one-view form (duck-typed encoders of experiments)."""
     from offline_agent.text.cache import CACHE_DIRNAME, EmbeddingCache
     from offline_agent.text.known import frequent_texts, text_arrays
 
