@@ -36,7 +36,7 @@ PRECISION_HELP = (
 )
 EMBED_PRECISION_HELP = (
     "fp32 | bf16 | int8 | auto: the precision the dataset's texts are embedded in; on CPUs with the instructions, "
-    "int8 (ONNX Runtime; cosine >= 0.985 to fp32) embeds real logs 2.3-3.9x as fast as fp32, bf16 1.6-2x; auto "
+    "int8 (ONNX Runtime; cosine >= 0.985 to fp32) embeds real logs 2.3-3.3x as fast as fp32, bf16 1.7-1.8x; auto "
     "as for rollouts (--encoder-precision of evaluate)"
 )
 RAY_ACTORS_HELP = "with --backend ray: actors the environments are spread over [default: one per cluster CPU]"

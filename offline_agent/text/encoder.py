@@ -187,7 +187,7 @@ class TextEncoder:
     cosine 0.99 of fp32's (all but 2 of 9,000 texts of real logs: 0.9865 for the bash command `true; true`),
     and the id ends in `-int8`. It stands in for the other precisions at decision time
     as bf16 does. A model that cannot be quantised fails under "int8" and runs in bf16 or fp32 under "auto".
-    Embedding a dataset (`train`/`embed --encoder-precision`) is where int8 saves the most: 2.3-3.9x fp32's speed
+    Embedding a dataset (`train`/`embed --encoder-precision`) is where int8 saves the most: 2.3-3.3x fp32's speed
     on whole real datasets (benchmarks/results/embed.md).
     """
 
