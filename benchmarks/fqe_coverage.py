@@ -85,7 +85,7 @@ def run_row(sim: str, logs: int, args: argparse.Namespace) -> dict:
         "sim": sim, "logs": logs, "test_episodes": report.episodes, "fqe": report.fqe_value,
         "fqe_ci95": list(report.fqe_ci95), "fqe_bounds": list(report.fqe_bounds), "coverage": report.coverage,
         "grounded": grounded.fqe_value, "grounded_ci95": list(grounded.fqe_ci95),
-        "behaviour": report.behaviour_value,
+        "behaviour": report.behaviour_value, "logged_returns": list(report.logged_returns),
         "true": true, "true_ci95": [true_low, true_high], "episodes": args.episodes, "weights": weights,
         "success": old["success"] if outcomes is None else sum(o.success for o in outcomes) / len(outcomes),
         "seconds": time.perf_counter() - started,
@@ -101,7 +101,9 @@ def table_row(row: dict) -> list[object]:
 
     low, high = row["fqe_ci95"]
     t_low, t_high = row["true_ci95"]
-    doubts = [fact for fact, _ in fqe_doubt_reasons(row["coverage"], row["test_episodes"])]  # evaluate's words
+    logged_returns = tuple(row.get("logged_returns", (math.nan, math.nan)))  # rows saved before it: not checked
+    reasons = fqe_doubt_reasons(row["coverage"], row["test_episodes"], row["fqe"], logged_returns)
+    doubts = [fact for fact, _ in reasons]  # evaluate's words
     trusted = f"no: {'; '.join(doubts)}" if doubts else "yes"
     b_low, b_high = row.get("fqe_bounds", [math.nan, math.nan])
     g_low, g_high = row.get("grounded_ci95", [math.nan, math.nan])

@@ -745,7 +745,8 @@ def _fqe_summary(f: dict) -> str:
             f". Whatever the policy does where the logs do not show its choice, its value lies in "
             f"{bounds[0]:.3f}-{bounds[1]:.3f} (95%)"
         )
-    doubts = fqe_doubts(f["coverage"], f["episodes"])
+    logged_returns = tuple(f.get("logged_returns") or (math.nan, math.nan))
+    doubts = fqe_doubts(f["coverage"], f["episodes"], f["fqe_value"], logged_returns)
     line += f". Do not act on this value: {'; '.join(doubts)}" if doubts else ""
     if f.get("value_auc") is not None and math.isfinite(f["value_auc"]):
         low, high = f["value_auc_ci95"]

@@ -199,6 +199,8 @@ def test_evaluate_prints_a_summary_and_estimates_fqe_on_held_out_logs(dataset, t
     assert grounded["fqe_grounding"] is True and grounded["fqe_value"] == fit.value != fqe["fqe_value"]
     bound_low, bound_high = fqe["fqe_bounds"]
     assert bound_low <= fqe["fqe_value"] <= bound_high
+    returns = features.returns_to_go(features.gamma)
+    assert fqe["logged_returns"] == [float(returns.min()), float(returns.max())]
     low, high = fqe["value_auc_ci95"]
     assert 0.0 <= low <= fqe["value_auc"] <= high <= 1.0 and 0.0 <= fqe["value_auc_per_step"] <= 1.0
 
@@ -258,6 +260,31 @@ def test_the_fqe_summary_warns_on_low_coverage_and_on_a_small_test_split():
     assert "coverage 0.4999 < 0.5:" in summary(0.49993, 73) and "coverage 0.49 < 0.5:" in summary(0.494, 73)
     both = summary(0.34, 16)
     assert "coverage 0.34 < 0.5" in both and "; only 16 held-out episodes" in both
+
+
+def test_the_fqe_summary_warns_when_the_value_lies_outside_the_logs_returns():
+    from offline_agent.cli import _fqe_summary
+    from offline_agent.evaluate import fqe_doubt_reasons, outside_logged_returns
+
+    # tau-bench airline's returns lie in [0, 1]; a fit on int8 vectors claimed 32.3 (1.05 on fp32 ones).
+    assert outside_logged_returns(32.307, (0.0, 1.0)) and outside_logged_returns(1.05, (0.0, 1.0))
+    assert outside_logged_returns(-0.0101, (0.0, 1.0)) and outside_logged_returns(2.04, (-1.0, 2.0))
+    assert outside_logged_returns(2.02, (-1.0, 2.0)) is False  # 1% of a width of 3
+    # 1% of the range is noise, not a claim; an unknown range or value checks nothing.
+    assert not any(outside_logged_returns(v, (0.0, 1.0)) for v in (0.0, 1.0, 1.01, -0.01, float("nan")))
+    assert not outside_logged_returns(32.0, (float("nan"), float("nan")))
+    assert fqe_doubt_reasons(0.9, 73, 32.307, (0.0, 1.0)) == [
+        ("the value 32.307 lies outside the logs' discounted returns (0.000 to 1.000)",
+         "the fit extrapolated past anything the logs hold")
+    ]
+    report = {"episodes": 73, "dataset": "data/x", "split": "test", "fqe_value": 32.307, "fqe_ci95": [8.1, 56.5],
+              "fqe_runs": 3, "behaviour_value": 0.3, "gamma": 0.99, "coverage": 0.9, "coverage_k": 10,
+              "logged_returns": [0.0, 1.0]}
+    assert _fqe_summary(report).endswith(
+        "Do not act on this value: the value 32.307 lies outside the logs' discounted returns (0.000 to 1.000): "
+        "the fit extrapolated past anything the logs hold")
+    del report["logged_returns"]  # a JSON written before evaluate recorded the range
+    assert "Do not act" not in _fqe_summary(report)
 
 
 def test_a_figure_below_a_line_gets_the_digits_that_show_it_and_one_above_keeps_two():
