@@ -12,6 +12,14 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 #: The behaviour policy of the bundled logs (datasets/README.md), and of the logs the benchmarks simulate anew.
 BEHAVIOUR = "noisy:0.5"
+#: Real agent logs nobody on this team wrote, beside the checkout (each with a SOURCE.txt); absent on CI.
+REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
+#: The real logs the benchmarks learn from: name -> (source, reward spec of `ingest`).
+REAL_SOURCES = {
+    "τ-bench airline": (REAL / "tau_bench_airline" / "gpt-4o-airline.json", "outcome"),
+    "InterCode SQL": (REAL / "intercode" / "sql_gpt-4", "score-delta"),
+    "InterCode bash": (REAL / "intercode" / "bash_gpt-4", "score-delta"),
+}
 
 
 def machine_stamp() -> str:

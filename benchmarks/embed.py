@@ -29,9 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.common import REAL, REAL_SOURCES, markdown_table, write_result  # noqa: E402
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
 TOOLS = ["inspect_logs", "retry_stage", "rollback", "patch_schema", "get_reservation", "search_flights", "bash"]
 
 
@@ -70,12 +69,6 @@ def generated_texts(n: int, seed: int) -> list[str]:
     return texts
 
 
-#: Real logs for the precision table: name -> (source, reward spec of `ingest`).
-DATASETS = {
-    "τ-bench airline": (REAL / "tau_bench_airline" / "gpt-4o-airline.json", "outcome"),
-    "InterCode SQL": (REAL / "intercode" / "sql_gpt-4", "score-delta"),
-    "InterCode bash": (REAL / "intercode" / "bash_gpt-4", "score-delta"),
-}
 PRECISIONS = ("fp32", "bf16", "int8")
 
 
@@ -86,12 +79,12 @@ def precision_rows(device: str, batch_size: int) -> list[list[str]] | None:
     from offline_agent.text.encoder import TextEncoder
     from offline_agent.text.states import StateSettings, dataset_texts, turn_blocks
 
-    if not all(source.exists() for source, _ in DATASETS.values()):
+    if not all(source.exists() for source, _ in REAL_SOURCES.values()):
         return None
     encoders = {p: TextEncoder(device=device, batch_size=batch_size, precision=p) for p in PRECISIONS}
     encoders["int8"].encode(["builds the int8 model before the clock starts"])
     rows = []
-    for name, (source, reward) in DATASETS.items():
+    for name, (source, reward) in REAL_SOURCES.items():
         with tempfile.TemporaryDirectory() as tmp:
             ingest([source], Path(tmp) / "ds", reward=reward)
             texts = dataset_texts(Path(tmp) / "ds", StateSettings().for_encoder(encoders["fp32"]),

@@ -47,14 +47,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import REAL_SOURCES as SOURCES  # noqa: E402
 from benchmarks.common import markdown_table, write_result  # noqa: E402
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
-SOURCES = {
-    "τ-bench airline": (REAL / "tau_bench_airline" / "gpt-4o-airline.json", "outcome"),
-    "InterCode SQL": (REAL / "intercode" / "sql_gpt-4", "score-delta"),
-    "InterCode bash": (REAL / "intercode" / "bash_gpt-4", "score-delta"),
-}
 #: Short names of the sources, for --sources.
 SLUGS = {"tau_airline": "τ-bench airline", "sql": "InterCode SQL", "bash": "InterCode bash"}
 SLUGS_BY_NAME = {name: slug for slug, name in SLUGS.items()}

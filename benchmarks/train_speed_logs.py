@@ -24,16 +24,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.common import REAL_SOURCES, markdown_table, write_result  # noqa: E402
 from benchmarks.train_speed import steps_per_second  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "out" / "train_speed_logs"
-REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real"
-#: label -> (source, reward spec); the real ones are used where ../shared/data/real is present.
-REAL_LOGS = {
-    "τ-bench airline": (REAL / "tau_bench_airline" / "gpt-4o-airline.json", "outcome"),
-    "InterCode SQL": (REAL / "intercode" / "sql_gpt-4", "score-delta"),
-}
+#: label -> (source, reward spec); used where ../shared/data/real is present.
+REAL_LOGS = {name: REAL_SOURCES[name] for name in ("τ-bench airline", "InterCode SQL")}
 SIMULATED = ("CustomerSupport-v0", 150)
 
 
