@@ -414,14 +414,8 @@ def off_policy_value(
         value_auc_ci95=value_auc.ci95,
         value_auc_per_step=value_auc.per_step,
         fqe_grounding=grounding,
-        logged_returns=logged_return_range(features, gamma),
+        logged_returns=features.return_range(gamma),
     )
-
-
-def logged_return_range(features: Any, gamma: float) -> tuple[float, float]:
-    """The lowest and highest discounted return-to-go over every logged step, at `gamma`."""
-    returns = features.returns_to_go(gamma)
-    return float(returns.min()), float(returns.max())
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,12 @@ class Features:
         rtg = discounted_returns(self.reward.numpy(), self.episode_index.numpy(), gamma)
         return torch.from_numpy(rtg.astype(np.float32))
 
+    def return_range(self, gamma: float) -> tuple[float, float]:
+        """The lowest and highest discounted return-to-go of any logged step under `gamma`: what FQE's bounds
+        assume where the logs are silent, and outside which `evaluate` doubts an FQE value."""
+        returns = self.returns_to_go(gamma)
+        return float(returns.min()), float(returns.max())
+
     def describe(self) -> dict[str, Any]:
         """Sizes, for run summaries."""
         return {

@@ -262,8 +262,8 @@ def fitted_q_evaluation(
     if config.unlogged != "extrapolate":
         next_unlogged = unlogged_choices(features, nxt, next_ids, next_pi, fit_rows, config.support_k)
         first_unlogged = unlogged_choices(features, firsts, first_ids, first_pi, fit_rows, config.support_k)
-        returns = features.returns_to_go(config.gamma)
-        bound = float(returns.min() if config.unlogged == "low" else returns.max())
+        lowest, highest = features.return_range(config.gamma)
+        bound = lowest if config.unlogged == "low" else highest
 
     # With grounding, FQE's Q reads what the policy's does: a policy that chooses by whether a call's values
     # come from the conversation, or by what was already done, is valued by a Q that can see it too.
